@@ -1,0 +1,5 @@
+"""`python -m attnmt` (and `torchrun -m attnmt`) run the CLI."""
+
+from attnmt.cli import main
+
+main()

@@ -1,0 +1,259 @@
+"""Attention: additive (Bahdanau), scaled dot-product, and multi-head.
+
+Every module here is stateless between calls: whatever a decoder wants to reuse across steps
+(projected keys, cached key/value heads) is returned to it and passed back in explicitly.
+Masks: a boolean `pad_mask` / `key_padding_mask` is True where a key must be ignored (the
+convention of torch.nn.MultiheadAttention); masked keys get a weight of exactly 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def masked_softmax(scores: torch.Tensor, pad_mask: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last axis with masked positions set to exactly 0.
+
+    Args:
+        scores: (..., S) attention energies.
+        pad_mask: (..., S) bool, True where a key is padding; broadcastable to scores.
+    """
+    if pad_mask is not None:
+        scores = scores.masked_fill(pad_mask, float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
+class AdditiveAttention(nn.Module):
+    """Bahdanau et al. (2015), https://arxiv.org/abs/1409.0473: score = v · tanh(W_q q + W_k k).
+
+    The keys do not change while a sentence is decoded, so `project_keys` is called once per
+    sentence and its result passed to every step.
+    """
+
+    def __init__(self, query_size: int, key_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.key_layer = nn.Linear(key_size, hidden_size, bias=False)
+        self.query_layer = nn.Linear(query_size, hidden_size, bias=True)
+        self.energy_layer = nn.Linear(hidden_size, 1, bias=False)
+
+    def project_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """(B, S, key_size) -> (B, S, hidden_size): W_k k, once per sentence."""
+        return self.key_layer(keys)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        proj_keys: torch.Tensor,
+        values: torch.Tensor,
+        pad_mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder step.
+
+        Args:
+            query: (B, query_size) the decoder state.
+            proj_keys: (B, S, hidden_size) from project_keys.
+            values: (B, S, value_size) the encoder states.
+            pad_mask: (B, S) bool, True at source padding.
+        Returns:
+            context (B, value_size) and weights (B, S).
+        """
+        q = self.query_layer(query).unsqueeze(1)  # (B, 1, H)
+        scores = self.energy_layer(torch.tanh(q + proj_keys)).squeeze(-1)  # (B, S)
+        weights = masked_softmax(scores, pad_mask)  # (B, S)
+        context = torch.bmm(weights.unsqueeze(1), values).squeeze(1)  # (B, V)
+        return context, weights
+
+
+class DotAttention(nn.Module):
+    """Scaled dot-product attention with a learned key projection (Luong's "general" score,
+    scaled as in Vaswani et al.): score = (W_k k) · q / sqrt(d)."""
+
+    def __init__(self, query_size: int, key_size: int) -> None:
+        super().__init__()
+        self.key_layer = nn.Linear(key_size, query_size, bias=False)
+        self.scale = 1.0 / math.sqrt(query_size)
+
+    def project_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """(B, S, key_size) -> (B, S, query_size), once per sentence."""
+        return self.key_layer(keys)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        proj_keys: torch.Tensor,
+        values: torch.Tensor,
+        pad_mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Same contract as AdditiveAttention.forward."""
+        scores = torch.bmm(proj_keys, query.unsqueeze(2)).squeeze(2) * self.scale  # (B, S)
+        weights = masked_softmax(scores, pad_mask)  # (B, S)
+        context = torch.bmm(weights.unsqueeze(1), values).squeeze(1)  # (B, V)
+        return context, weights
+
+
+def additive_mask(
+    key_padding_mask: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor | None:
+    """Combine a key padding mask and an attention mask into one additive float mask.
+
+    Args:
+        key_padding_mask: (B, T_k), bool (True = ignore) or float (added to the scores).
+        attn_mask: (T_q, T_k) or (B, heads, T_q, T_k), bool (True = not allowed) or float.
+    Returns:
+        A float mask broadcastable to (B, heads, T_q, T_k), or None when both are None.
+    """
+
+    def as_float(m: torch.Tensor) -> torch.Tensor:
+        if m.dtype == torch.bool:
+            return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(m, float("-inf"))
+        return m.to(dtype)
+
+    mask = None
+    if attn_mask is not None:
+        mask = as_float(attn_mask)  # (T_q, T_k) or (B, h, T_q, T_k)
+    if key_padding_mask is not None:
+        kpm = as_float(key_padding_mask)[:, None, None, :]  # (B, 1, 1, T_k)
+        mask = kpm if mask is None else mask + kpm  # (B, h|1, T_q, T_k)
+    return mask
+
+
+def causal_mask(size: int, device: torch.device | None = None) -> torch.Tensor:
+    """(T, T) bool mask, True above the diagonal: position t may not see t' > t."""
+    return torch.ones(size, size, dtype=torch.bool, device=device).triu(1)
+
+
+def scaled_dot_product(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    dropout_p: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q kᵀ / sqrt(d) + mask) v, returning the weights too (Vaswani et al., eq. 1).
+
+    Args:
+        q: (B, h, T_q, d); k: (B, h, T_k, d); v: (B, h, T_k, d_v).
+        mask: additive float mask broadcastable to (B, h, T_q, T_k), or None.
+    Returns:
+        out (B, h, T_q, d_v) and weights (B, h, T_q, T_k) (after dropout, as in
+        nn.MultiheadAttention).
+    """
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, h, T_q, T_k)
+    if mask is not None:
+        scores = scores + mask
+    weights = torch.softmax(scores, dim=-1)  # (B, h, T_q, T_k)
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p)
+    return weights @ v, weights  # (B, h, T_q, d_v)
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention (Vaswani et al. 2017, https://arxiv.org/abs/1706.03762, sec. 3.2.2).
+
+    MultiHead(Q, K, V) = Concat(head_1..head_h) W_O, head_i = Attention(Q W_Q_i, K W_K_i, V W_V_i).
+    Batch-first. Gives the same output and head-averaged weights as torch.nn.MultiheadAttention
+    (batch_first=True) loaded with the same projection weights; keys and values may have their
+    own widths (kdim, vdim).
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+    ) -> None:
+        super().__init__()
+        assert embed_dim % num_heads == 0, "embed_dim must be divisible by num_heads"
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.dropout = dropout
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.k_proj = nn.Linear(kdim or embed_dim, embed_dim, bias=bias)
+        self.v_proj = nn.Linear(vdim or embed_dim, embed_dim, bias=bias)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+
+    def split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        return x.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, h, T, d)
+
+    def project_kv(
+        self, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Project keys and values into heads: (B, T_k, kdim), (B, T_k, vdim) -> (B, h, T_k, d).
+
+        Split out so that a decoder can project the encoder output once per sentence and keep
+        the result for every step.
+        """
+        return self.split_heads(self.k_proj(key)), self.split_heads(self.v_proj(value))
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        causal: bool = False,
+        need_weights: bool = False,
+        average_attn_weights: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attend from query (B, T_q, E) over projected heads k, v (B, h, T_k, d).
+
+        Args:
+            mask: additive float mask broadcastable to (B, h, T_q, T_k) (see additive_mask).
+            causal: apply a causal mask (position t sees keys <= t); lets the fused kernel
+                skip building the mask.
+        Returns:
+            out (B, T_q, E) and, if need_weights, weights (B, T_q, T_k) averaged over heads
+            or (B, h, T_q, T_k).
+        """
+        B, T_q, E = query.shape
+        q = self.split_heads(self.q_proj(query))  # (B, h, T_q, d)
+        p = self.dropout if self.training else 0.0
+        if causal and (need_weights or mask is not None):
+            # The fused kernel's is_causal flag cannot be combined with a mask; build it.
+            cm = additive_mask(None, causal_mask(T_q, query.device), q.dtype)  # (T_q, T_k)
+            mask = cm if mask is None else mask + cm
+            causal = False
+        weights = None
+        if need_weights:
+            out, weights = scaled_dot_product(q, k, v, mask, p)  # (B, h, T_q, d)
+            if average_attn_weights:
+                weights = weights.mean(dim=1)  # (B, T_q, T_k)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal
+            )  # (B, h, T_q, d)
+        out = out.transpose(1, 2).reshape(B, T_q, E)  # (B, T_q, E)
+        return self.out_proj(out), weights
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        need_weights: bool = True,
+        average_attn_weights: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Same arguments and results as torch.nn.MultiheadAttention(batch_first=True)."""
+        k, v = self.project_kv(key, value)  # (B, h, T_k, d)
+        mask = additive_mask(key_padding_mask, attn_mask, query.dtype)
+        return self.attend(
+            query,
+            k,
+            v,
+            mask,
+            need_weights=need_weights,
+            average_attn_weights=average_attn_weights,
+        )

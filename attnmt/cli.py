@@ -1,0 +1,200 @@
+"""The `attnmt` command: train, translate, eval.
+
+Parses arguments and calls library functions; any AttnmtError (a problem with what the user
+gave us) becomes one line on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from attnmt import __version__
+from attnmt.errors import AttnmtError, DataError
+
+app = typer.Typer(
+    name="attnmt",
+    help="Attention-based neural machine translation: train, translate, evaluate.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"attnmt {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    """Attention-based neural machine translation: train, translate, evaluate."""
+
+
+@app.command()
+def train(
+    config: Annotated[Path, typer.Option("--config", "-c", help="YAML config file.")],
+    out: Annotated[
+        Path, typer.Option("--out", "-o", help="Model directory to create.")
+    ] = Path("model"),
+    overrides: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            help="Override a config key by dotted path, value parsed as YAML "
+            "(repeatable), e.g. --set train.lr=0.001",
+        ),
+    ] = None,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace the contents of a non-empty --out.")
+    ] = False,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="No progress bar or log lines on stderr.")
+    ] = False,
+) -> None:
+    """Train a SentencePiece model and an encoder-decoder from a YAML config."""
+    from attnmt.config import load_config
+    from attnmt.train import train as run_training
+
+    cfg = load_config(config, overrides or [])
+    run_training(cfg, out, overwrite=overwrite, quiet=quiet)
+
+
+def _read_input(path: Path | None) -> list[str]:
+    from attnmt.data import read_lines, read_stdin_lines
+
+    return read_stdin_lines() if path is None or str(path) == "-" else read_lines(path)
+
+
+@app.command()
+def translate(
+    model: Annotated[Path, typer.Option("--model", "-m", help="Trained model directory.")],
+    input: Annotated[
+        Path | None, typer.Option("--input", "-i", help="Input file (default: stdin).")
+    ] = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Output file (default: stdout).")
+    ] = None,
+    batch_tokens: Annotated[
+        int | None,
+        typer.Option("--batch-tokens", min=1, help="Source tokens per batch (default: config)."),
+    ] = None,
+    weights: Annotated[
+        str, typer.Option("--weights", help="Which checkpoint: best or last.")
+    ] = "best",
+    device: Annotated[
+        str, typer.Option("--device", help="auto, cpu or cuda.")
+    ] = "auto",
+) -> None:
+    """Translate text, one line in, one line out (greedy search)."""
+    lines = _read_input(input)
+    hyps = _translate(model, lines, batch_tokens, weights, device)
+    text = "".join(h + "\n" for h in hyps)
+    if output is None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    else:
+        output.write_text(text, encoding="utf-8")
+
+
+def _translate(
+    model_dir: Path, lines: list[str], batch_tokens: int | None, weights: str, device: str
+) -> list[str]:
+    from attnmt.checkpoint import BEST_FILE, LAST_FILE, load_model_dir
+    from attnmt.evaluate import translate_lines
+    from attnmt.train import resolve_device
+
+    if weights not in ("best", "last"):
+        raise AttnmtError(f"--weights {weights!r}: expected best or last")
+    if device not in ("auto", "cpu", "cuda"):
+        raise AttnmtError(f"--device {device!r}: expected auto, cpu or cuda")
+    dev = resolve_device(device)
+    cfg, tokenizer, net = load_model_dir(
+        model_dir, BEST_FILE if weights == "best" else LAST_FILE, dev
+    )
+    return translate_lines(
+        net,
+        tokenizer,
+        lines,
+        batch_tokens or cfg.decode.batch_tokens,
+        cfg.decode.max_len_a,
+        cfg.decode.max_len_b,
+        dev,
+    )
+
+
+@app.command("eval")
+def evaluate(
+    ref: Annotated[Path, typer.Option("--ref", "-r", help="Reference translations.")],
+    hyp: Annotated[
+        Path | None, typer.Option("--hyp", help="Translations to score (instead of --model).")
+    ] = None,
+    model: Annotated[
+        Path | None, typer.Option("--model", "-m", help="Model directory to translate --src.")
+    ] = None,
+    src: Annotated[
+        Path | None, typer.Option("--src", "-s", help="Source file, with --model.")
+    ] = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Also write the translations here.")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    weights: Annotated[str, typer.Option("--weights", help="best or last.")] = "best",
+    device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
+) -> None:
+    """Score translations with sacreBLEU (BLEU, chrF); translate --src first if --model is given."""
+    from attnmt.data import read_lines
+    from attnmt.evaluate import score
+
+    if (hyp is None) == (model is None):
+        raise AttnmtError("give either --hyp FILE, or --model DIR with --src FILE")
+    if model is not None and src is None:
+        raise AttnmtError("--model needs --src FILE (the source text to translate)")
+    refs = read_lines(ref)
+    if hyp is not None:
+        hyps = read_lines(hyp)
+        name = str(hyp)
+    else:
+        assert model is not None and src is not None
+        sources = read_lines(src)
+        if len(sources) != len(refs):
+            raise DataError(
+                f"line counts differ: {src} has {len(sources)} lines, {ref} has {len(refs)}"
+            )
+        hyps = _translate(model, sources, None, weights, device)
+        name = str(src)
+        if output is not None:
+            output.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
+    if len(hyps) != len(refs):
+        raise DataError(f"line counts differ: {name} has {len(hyps)} lines, {ref} has {len(refs)}")
+    s = score(hyps, refs)
+    if as_json:
+        typer.echo(json.dumps(s.as_dict()))
+    else:
+        typer.echo(s.bleu_detail)
+        typer.echo(f"chrF2 = {s.chrf:.2f}")
+        typer.echo(f"BLEU signature: {s.bleu_signature}")
+        typer.echo(f"chrF signature: {s.chrf_signature}")
+        typer.echo(f"BLEU = {s.bleu:.2f}")
+
+
+def main() -> None:
+    """Entry point: run the app, turning our errors into one line and exit code 2."""
+    try:
+        app()
+    except AttnmtError as e:
+        print(f"attnmt: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("attnmt: interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -1,0 +1,240 @@
+"""The config schema: typed and closed (an unknown key is an error), YAML loading, `--set` overrides.
+
+Every key has a default except the data paths; `README.md` documents each one. Relative data
+paths are resolved against the current working directory when the config is loaded, and the
+resolved config (absolute paths, defaults filled in) is what the model directory stores.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from attnmt.errors import ConfigError
+
+
+class _Section(BaseModel):
+    # extra="forbid" makes the schema closed: a typo in a key is an error, not a silent default.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SplitConfig(_Section):
+    src: Path
+    tgt: Path
+
+
+class DataConfig(_Section):
+    train: SplitConfig
+    dev: SplitConfig
+    test: SplitConfig | None = None
+    max_len: int = Field(100, ge=1, le=100_000)
+
+
+class TokenizerConfig(_Section):
+    vocab_size: int = Field(8000, ge=8, le=1_000_000)
+    joint: bool = True
+    model_type: Literal["unigram", "bpe"] = "unigram"
+    character_coverage: float = Field(1.0, gt=0.0, le=1.0)
+
+
+class ModelConfig(_Section):
+    arch: Literal["rnn", "transformer"] = "transformer"
+    emb_size: int = Field(256, ge=1, le=65_536)
+    hidden_size: int = Field(256, ge=1, le=65_536)
+    enc_layers: int = Field(3, ge=1, le=64)
+    dec_layers: int = Field(3, ge=1, le=64)
+    dropout: float = Field(0.1, ge=0.0, lt=1.0)
+    # rnn only
+    attention: Literal["bahdanau", "dot"] = "bahdanau"
+    # transformer only
+    heads: int = Field(4, ge=1, le=1024)
+    ff_size: int = Field(1024, ge=1, le=1_000_000)
+    norm: Literal["pre", "post"] = "pre"
+    attention_dropout: float = Field(0.1, ge=0.0, lt=1.0)
+    # both: share the target embedding with the output projection (and with the source
+    # embedding when the vocabulary is joint)
+    tie_embeddings: bool = True
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> ModelConfig:
+        if self.arch == "transformer" and self.hidden_size % self.heads != 0:
+            raise ValueError(
+                f"model.hidden_size = {self.hidden_size} must be divisible by "
+                f"model.heads = {self.heads}"
+            )
+        return self
+
+
+class TeacherForcingConfig(_Section):
+    schedule: Literal["constant", "linear", "exponential", "inverse_sigmoid"] = "constant"
+    start: float = Field(1.0, ge=0.0, le=1.0)
+    end: float = Field(1.0, ge=0.0, le=1.0)
+    steps: int = Field(10_000, ge=1)
+
+    @model_validator(mode="after")
+    def _exponential_needs_positive(self) -> TeacherForcingConfig:
+        if self.schedule == "exponential" and (self.start <= 0.0 or self.end <= 0.0):
+            raise ValueError(
+                "train.teacher_forcing: the exponential schedule interpolates geometrically, "
+                f"so start and end must be > 0 (got start={self.start}, end={self.end})"
+            )
+        return self
+
+
+class TrainConfig(_Section):
+    max_steps: int = Field(100_000, ge=1)
+    max_epochs: int = Field(100, ge=1)
+    batch_tokens: int = Field(4096, ge=1)
+    lr: float = Field(5e-4, gt=0.0, le=10.0)
+    lr_schedule: Literal["inverse_sqrt", "plateau", "constant"] = "inverse_sqrt"
+    warmup_steps: int = Field(4000, ge=0)
+    plateau_factor: float = Field(0.5, gt=0.0, lt=1.0)
+    plateau_patience: int = Field(2, ge=0)
+    min_lr: float = Field(1e-6, ge=0.0)
+    adam_betas: tuple[float, float] = (0.9, 0.98)
+    weight_decay: float = Field(0.0, ge=0.0)
+    label_smoothing: float = Field(0.1, ge=0.0, lt=1.0)
+    clip_grad_norm: float = Field(1.0, ge=0.0)
+    seed: int = Field(1234, ge=0, le=2**32 - 1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: int = Field(0, ge=0, le=1024)
+    eval_every: int = Field(1000, ge=1)
+    eval_batch_tokens: int = Field(8000, ge=1)
+    patience: int = Field(10, ge=1)
+    log_every: int = Field(100, ge=1)
+    teacher_forcing: TeacherForcingConfig = TeacherForcingConfig()
+
+    @model_validator(mode="after")
+    def _betas_in_range(self) -> TrainConfig:
+        if not all(0.0 <= b < 1.0 for b in self.adam_betas):
+            raise ValueError(f"train.adam_betas = {list(self.adam_betas)}: each must be in [0, 1)")
+        return self
+
+
+class DecodeConfig(_Section):
+    beam: int = 1
+    max_len_a: float = Field(1.5, ge=0.0)
+    max_len_b: int = Field(10, ge=1)
+    batch_tokens: int = Field(8000, ge=1)
+
+    @model_validator(mode="after")
+    def _greedy_only(self) -> DecodeConfig:
+        if self.beam != 1:
+            raise ValueError(
+                f"decode.beam = {self.beam}: only 1 (greedy search) is available in this version"
+            )
+        return self
+
+
+class Config(_Section):
+    data: DataConfig
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+    decode: DecodeConfig = DecodeConfig()
+
+
+def _format_error(err: ValidationError) -> str:
+    """One line per problem: key path, bad value, what is allowed."""
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    value = first.get("input")
+    kind = first["type"]
+    if kind == "extra_forbidden":
+        parent = _section_at(first["loc"][:-1])
+        allowed = ", ".join(parent.model_fields) if parent else "none"
+        return f"config: unknown key '{loc}'; allowed keys here: {allowed}"
+    if kind == "missing":
+        return f"config: missing required key '{loc}'"
+    msg = first["msg"].removeprefix("Value error, ")
+    where = f"'{loc}' = {value!r}: " if loc else ""
+    return f"config: {where}{msg}"
+
+
+def _section_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    model: type[BaseModel] = Config
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return None
+        ann = field.annotation
+        candidates = getattr(ann, "__args__", (ann,))
+        nxt = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if nxt is None:
+            return None
+        model = nxt
+    return model
+
+
+def apply_override(raw: dict[str, Any], assignment: str) -> None:
+    """Apply one `key.path=value` override to a raw config dict; the value is parsed as YAML."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE, e.g. train.lr=0.001")
+    key, text = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"--set {assignment!r}: empty part in key path {key!r}")
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {key}: value {text!r} is not valid YAML ({e.problem})") from None
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            path = ".".join(parts[: i + 1])
+            raise ConfigError(f"--set {key}: '{path}' is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def from_dict(raw: Any) -> Config:
+    """Validate a raw mapping into a Config, turning pydantic errors into one clear line."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config: the top level must be a mapping, got {type(raw).__name__}")
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e)) from None
+
+
+def load_config(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML config, apply `--set` overrides, validate, and make data paths absolute."""
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not valid UTF-8 ({e.reason})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise ConfigError(f"{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    cfg = from_dict(raw)
+    return resolve_paths(cfg, Path.cwd())
+
+
+def resolve_paths(cfg: Config, base: Path) -> Config:
+    """Return a copy of cfg with every data path made absolute against base."""
+    data = cfg.data.model_copy(deep=True)
+    for split in (data.train, data.dev, data.test):
+        if split is not None:
+            split.src = (base / split.src).absolute()
+            split.tgt = (base / split.tgt).absolute()
+    return cfg.model_copy(update={"data": data})
+
+
+def to_yaml(cfg: Config) -> str:
+    """The config as YAML, every key present (what the model directory stores)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,17 @@
+"""Errors a user can cause. The CLI prints them as one line and exits with code 2."""
+
+
+class AttnmtError(Exception):
+    """Base class: a problem with something the user gave us (config, files, flags)."""
+
+
+class ConfigError(AttnmtError):
+    """A config key is unknown, has the wrong type, or is out of range."""
+
+
+class DataError(AttnmtError):
+    """A corpus or input file is missing, unreadable, misaligned, or not UTF-8."""
+
+
+class CheckpointError(AttnmtError):
+    """A model directory is missing, incomplete, or from an incompatible version."""

@@ -1,0 +1,177 @@
+"""Bidirectional GRU encoder and attentional GRU decoder (Bahdanau et al. 2015).
+
+Decoder step t (https://arxiv.org/abs/1409.0473, appendix A):
+    c_t = Attention(s_{t-1}, encoder states)            context from the previous state
+    s_t = GRU([E y_{t-1}; c_t], s_{t-1})                 new state
+    o_t = tanh(W_o [s_t; c_t; E y_{t-1}])                pre-output, emb_size wide
+    p(y_t) = softmax(W_out o_t)                          W_out may be tied to E
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from attnmt.attention import AdditiveAttention, DotAttention
+from attnmt.config import ModelConfig
+from attnmt.data import Batch
+from attnmt.model import Seq2Seq, gold_coins, sequence_loss
+
+
+@dataclass
+class RNNMemory:
+    enc_out: torch.Tensor  # (B, S, 2H) encoder states (attention values)
+    proj_keys: torch.Tensor  # (B, S, A) attention keys, projected once per sentence
+    pad_mask: torch.Tensor  # (B, S) bool, True at padding
+    final: torch.Tensor  # (B, 2H) last forward state ++ first backward state
+
+
+class GRUEncoder(nn.Module):
+    """Embedding -> dropout -> bidirectional multi-layer GRU over packed sequences."""
+
+    def __init__(self, embed: nn.Embedding, hidden_size: int, layers: int, dropout: float) -> None:
+        super().__init__()
+        self.embed = embed
+        self.dropout = nn.Dropout(dropout)
+        self.rnn = nn.GRU(
+            embed.embedding_dim,
+            hidden_size,
+            num_layers=layers,
+            batch_first=True,
+            bidirectional=True,
+            dropout=dropout if layers > 1 else 0.0,
+        )
+
+    def forward(
+        self, src: torch.Tensor, src_pad_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """src (B, S) -> states (B, S, 2H) and final summary (B, 2H)."""
+        lengths = (~src_pad_mask).sum(dim=1).cpu()  # (B,)
+        x = self.dropout(self.embed(src))  # (B, S, E)
+        # Packing keeps padding out of the recurrence, so the backward direction starts at
+        # each sentence's last real token.
+        packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        out, h_n = self.rnn(packed)  # h_n: (layers * 2, B, H)
+        out, _ = pad_packed_sequence(out, batch_first=True, total_length=src.size(1))  # (B, S, 2H)
+        final = torch.cat([h_n[-2], h_n[-1]], dim=-1)  # (B, 2H)
+        return out, final
+
+
+class RNNSeq2Seq(Seq2Seq):
+    """GRU encoder-decoder with Bahdanau (additive) or scaled dot-product attention."""
+
+    def __init__(self, cfg: ModelConfig, src_vocab: int, tgt_vocab: int, joint: bool) -> None:
+        super().__init__()
+        E, H = cfg.emb_size, cfg.hidden_size
+        D = 2 * H  # decoder width = encoder output width
+        self.dec_layers = cfg.dec_layers
+        self.tgt_embed = nn.Embedding(tgt_vocab, E, padding_idx=self.pad_id)
+        share_src = joint and cfg.tie_embeddings
+        src_embed = self.tgt_embed if share_src else nn.Embedding(src_vocab, E, self.pad_id)
+        self.encoder = GRUEncoder(src_embed, H, cfg.enc_layers, cfg.dropout)
+        self.bridge = nn.Linear(D, D)
+        if cfg.attention == "bahdanau":
+            self.attention: AdditiveAttention | DotAttention = AdditiveAttention(D, D, D)
+        else:
+            self.attention = DotAttention(D, D)
+        self.rnn = nn.GRU(
+            E + D,
+            D,
+            num_layers=cfg.dec_layers,
+            batch_first=True,
+            dropout=cfg.dropout if cfg.dec_layers > 1 else 0.0,
+        )
+        self.pre_output = nn.Linear(D + D + E, E)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.output = nn.Linear(E, tgt_vocab, bias=False)
+        self._init_weights()
+        if cfg.tie_embeddings:
+            self.output.weight = self.tgt_embed.weight
+
+    def _init_weights(self) -> None:
+        for name, p in self.named_parameters():
+            if p.dim() > 1:
+                nn.init.xavier_uniform_(p)
+            elif "bias" in name:
+                nn.init.zeros_(p)
+        with torch.no_grad():
+            self.tgt_embed.weight[self.pad_id].zero_()
+            self.encoder.embed.weight[self.pad_id].zero_()
+
+    # --- the seq2seq interface ---
+
+    def encode(self, src: torch.Tensor, src_pad_mask: torch.Tensor) -> RNNMemory:
+        enc_out, final = self.encoder(src, src_pad_mask)  # (B, S, 2H), (B, 2H)
+        proj_keys = self.attention.project_keys(enc_out)  # (B, S, A)
+        return RNNMemory(enc_out, proj_keys, src_pad_mask, final)
+
+    def init_state(self, memory: RNNMemory) -> torch.Tensor:
+        s0 = torch.tanh(self.bridge(memory.final))  # (B, D)
+        return s0.unsqueeze(0).repeat(self.dec_layers, 1, 1).contiguous()  # (L, B, D)
+
+    def _step(
+        self, memory: RNNMemory, hidden: torch.Tensor, emb: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One step from an embedded previous token emb (B, E) -> pre-output (B, E)."""
+        context, weights = self.attention(
+            hidden[-1], memory.proj_keys, memory.enc_out, memory.pad_mask
+        )  # (B, D), (B, S)
+        rnn_in = torch.cat([emb, context], dim=-1).unsqueeze(1)  # (B, 1, E + D)
+        out, hidden = self.rnn(rnn_in, hidden)  # (B, 1, D), (L, B, D)
+        pre = torch.tanh(self.pre_output(torch.cat([out.squeeze(1), context, emb], dim=-1)))
+        return self.dropout(pre), hidden, weights  # (B, E), (L, B, D), (B, S)
+
+    def decode_step(
+        self, memory: RNNMemory, state: torch.Tensor, prev_tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        emb = self.dropout(self.tgt_embed(prev_tokens))  # (B, E)
+        pre, state, weights = self._step(memory, state, emb)
+        return self.output(pre), state, weights  # (B, V)
+
+    def select(
+        self, memory: RNNMemory, state: torch.Tensor, index: torch.Tensor
+    ) -> tuple[RNNMemory, torch.Tensor]:
+        m = RNNMemory(
+            memory.enc_out.index_select(0, index),
+            memory.proj_keys.index_select(0, index),
+            memory.pad_mask.index_select(0, index),
+            memory.final.index_select(0, index),
+        )
+        return m, state.index_select(1, index)
+
+    def loss(
+        self,
+        batch: Batch,
+        tf_ratio: float = 1.0,
+        label_smoothing: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, int]:
+        memory = self.encode(batch.src, batch.src_pad_mask)
+        hidden = self.init_state(memory)
+        B, T = batch.tgt_in.shape
+        if tf_ratio >= 1.0:
+            # All inputs are gold: embed them at once and project to the vocabulary once.
+            embs = self.dropout(self.tgt_embed(batch.tgt_in))  # (B, T, E)
+            pres = []
+            for t in range(T):
+                pre, hidden, _ = self._step(memory, hidden, embs[:, t])
+                pres.append(pre)
+            logits = self.output(torch.stack(pres, dim=1))  # (B, T, V)
+            return sequence_loss(logits, batch.tgt_out, label_smoothing)
+        # Scheduled sampling (Bengio et al. 2015, https://arxiv.org/abs/1506.03099): each
+        # position after the first takes the gold token with probability tf_ratio, else the
+        # model's own argmax from the previous step (no gradient through the choice).
+        use_gold = gold_coins((B, T), tf_ratio, generator, batch.tgt_in.device)  # (B, T)
+        prev = batch.tgt_in[:, 0]  # (B,) BOS
+        step_logits = []
+        for t in range(T):
+            if t > 0:
+                predicted = step_logits[-1].argmax(dim=-1)  # (B,)
+                prev = torch.where(use_gold[:, t], batch.tgt_in[:, t], predicted)
+            logits_t, hidden, _ = self.decode_step(memory, hidden, prev)  # (B, V)
+            step_logits.append(logits_t)
+        logits = torch.stack(step_logits, dim=1)  # (B, T, V)
+        return sequence_loss(logits, batch.tgt_out, label_smoothing)

@@ -1,0 +1,54 @@
+"""Learning-rate and teacher-forcing schedules as pure functions of the step."""
+
+from __future__ import annotations
+
+import math
+
+from attnmt.config import TeacherForcingConfig
+
+
+def inverse_sqrt_lr(step: int, peak_lr: float, warmup_steps: int) -> float:
+    """Linear warmup to peak_lr at warmup_steps, then decay with 1/sqrt(step) (Vaswani et al.
+    2017, sec. 5.3, with the peak given directly instead of through d_model). Steps count from 1."""
+    step = max(step, 1)
+    if warmup_steps <= 0:
+        return peak_lr
+    if step < warmup_steps:
+        return peak_lr * step / warmup_steps
+    return peak_lr * math.sqrt(warmup_steps / step)
+
+
+def warmup_lr(step: int, peak_lr: float, warmup_steps: int) -> float:
+    """Linear warmup to peak_lr, then constant (used by the constant and plateau schedules)."""
+    if warmup_steps <= 0 or step >= warmup_steps:
+        return peak_lr
+    return peak_lr * max(step, 1) / warmup_steps
+
+
+def _inverse_sigmoid_shape(p: float) -> float:
+    """1 at p=0, 0 at p=1, an inverse sigmoid centred at p=0.5 in between."""
+
+    def s(x: float) -> float:
+        return 1.0 / (1.0 + math.exp(10.0 * (x - 0.5)))
+
+    return (s(p) - s(1.0)) / (s(0.0) - s(1.0))
+
+
+def teacher_forcing_ratio(step: int, cfg: TeacherForcingConfig) -> float:
+    """Probability of feeding the gold previous token at training step `step` (from 0).
+
+    The ratio moves from cfg.start (step 0) to cfg.end (step cfg.steps and after):
+      constant:        start throughout
+      linear:          start + (end - start) * p,        p = min(step / steps, 1)
+      exponential:     start * (end / start) ** p        (geometric; start, end > 0)
+      inverse_sigmoid: end + (start - end) * f(p), f an inverse sigmoid with f(0)=1, f(1)=0
+                       (the shape of Bengio et al. 2015, https://arxiv.org/abs/1506.03099)
+    """
+    p = min(max(step, 0) / cfg.steps, 1.0)
+    if cfg.schedule == "constant":
+        return cfg.start
+    if cfg.schedule == "linear":
+        return cfg.start + (cfg.end - cfg.start) * p
+    if cfg.schedule == "exponential":
+        return cfg.start * (cfg.end / cfg.start) ** p
+    return cfg.end + (cfg.start - cfg.end) * _inverse_sigmoid_shape(p)

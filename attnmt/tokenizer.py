@@ -1,0 +1,125 @@
+"""SentencePiece training, loading, encode/decode, and the special token ids."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import sentencepiece as spm
+
+from attnmt.errors import CheckpointError
+
+# Fixed ids so that the model, the batcher and both vocabularies agree without a lookup.
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+
+
+def train_sentencepiece(
+    sentences: Iterable[str],
+    vocab_size: int,
+    model_type: str = "unigram",
+    character_coverage: float = 1.0,
+) -> bytes:
+    """Train a SentencePiece model in-process and return the serialized model.
+
+    The vocabulary size is a soft limit (hard_vocab_limit=False) so that a small corpus gets
+    the largest vocabulary it supports instead of an error; one thread keeps it deterministic.
+    """
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences),
+        model_writer=buf,
+        vocab_size=vocab_size,
+        model_type=model_type,
+        character_coverage=character_coverage,
+        hard_vocab_limit=False,
+        pad_id=PAD_ID,
+        unk_id=UNK_ID,
+        bos_id=BOS_ID,
+        eos_id=EOS_ID,
+        num_threads=1,
+        input_sentence_size=2_000_000,
+        shuffle_input_sentence=False,
+        max_sentence_length=1 << 16,
+        minloglevel=2,
+    )
+    return buf.getvalue()
+
+
+class SubwordVocab:
+    """One SentencePiece model: text <-> ids."""
+
+    def __init__(self, model_proto: bytes) -> None:
+        self.proto = model_proto
+        self.sp = spm.SentencePieceProcessor(model_proto=model_proto)
+
+    def __len__(self) -> int:
+        return self.sp.get_piece_size()
+
+    def encode(self, lines: Sequence[str]) -> list[list[int]]:
+        return self.sp.encode(list(lines), out_type=int)
+
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        return [self.sp.id_to_piece(int(i)) for i in ids]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.sp.decode([int(i) for i in ids])
+
+
+class Tokenizer:
+    """Source and target vocabularies; the same object twice when the vocabulary is joint."""
+
+    JOINT_FILE = "spm.model"
+    SRC_FILE = "spm.src.model"
+    TGT_FILE = "spm.tgt.model"
+
+    def __init__(self, src: SubwordVocab, tgt: SubwordVocab) -> None:
+        self.src = src
+        self.tgt = tgt
+
+    @property
+    def joint(self) -> bool:
+        return self.src is self.tgt
+
+    @classmethod
+    def train(
+        cls,
+        src_lines: Sequence[str],
+        tgt_lines: Sequence[str],
+        vocab_size: int,
+        joint: bool,
+        model_type: str = "unigram",
+        character_coverage: float = 1.0,
+    ) -> Tokenizer:
+        if joint:
+            proto = train_sentencepiece(
+                [*src_lines, *tgt_lines], vocab_size, model_type, character_coverage
+            )
+            vocab = SubwordVocab(proto)
+            return cls(vocab, vocab)
+        src = train_sentencepiece(src_lines, vocab_size, model_type, character_coverage)
+        tgt = train_sentencepiece(tgt_lines, vocab_size, model_type, character_coverage)
+        return cls(SubwordVocab(src), SubwordVocab(tgt))
+
+    def files(self) -> dict[str, bytes]:
+        """File name -> content, for the model directory."""
+        if self.joint:
+            return {self.JOINT_FILE: self.src.proto}
+        return {self.SRC_FILE: self.src.proto, self.TGT_FILE: self.tgt.proto}
+
+    @classmethod
+    def load(cls, model_dir: Path, joint: bool) -> Tokenizer:
+        names = [cls.JOINT_FILE] if joint else [cls.SRC_FILE, cls.TGT_FILE]
+        protos = []
+        for name in names:
+            path = model_dir / name
+            if not path.is_file():
+                raise CheckpointError(f"{model_dir}: missing SentencePiece model {name}")
+            try:
+                protos.append(path.read_bytes())
+                vocab = SubwordVocab(protos[-1])
+            except (OSError, RuntimeError) as e:
+                raise CheckpointError(f"{path}: not a SentencePiece model ({e})") from None
+        if joint:
+            return cls(vocab, vocab)
+        return cls(SubwordVocab(protos[0]), SubwordVocab(protos[1]))
