@@ -84,8 +84,17 @@ def prepare_output_dir(out: Path, overwrite: bool) -> None:
             raise CheckpointError(
                 f"--out {out}: directory is not empty; pass --overwrite to replace its contents"
             )
-        for name in (CONFIG_FILE, META_FILE, BEST_FILE, LAST_FILE, LOG_JSONL, LOG_TEXT,
-                     Tokenizer.JOINT_FILE, Tokenizer.SRC_FILE, Tokenizer.TGT_FILE):
+        for name in (
+            CONFIG_FILE,
+            META_FILE,
+            BEST_FILE,
+            LAST_FILE,
+            LOG_JSONL,
+            LOG_TEXT,
+            Tokenizer.JOINT_FILE,
+            Tokenizer.SRC_FILE,
+            Tokenizer.TGT_FILE,
+        ):
             (out / name).unlink(missing_ok=True)
     try:
         out.mkdir(parents=True, exist_ok=True)

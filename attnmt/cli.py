@@ -44,9 +44,9 @@ def _main(
 @app.command()
 def train(
     config: Annotated[Path, typer.Option("--config", "-c", help="YAML config file.")],
-    out: Annotated[
-        Path, typer.Option("--out", "-o", help="Model directory to create.")
-    ] = Path("model"),
+    out: Annotated[Path, typer.Option("--out", "-o", help="Model directory to create.")] = Path(
+        "model"
+    ),
     overrides: Annotated[
         list[str] | None,
         typer.Option(
@@ -92,9 +92,7 @@ def translate(
     weights: Annotated[
         str, typer.Option("--weights", help="Which checkpoint: best or last.")
     ] = "best",
-    device: Annotated[
-        str, typer.Option("--device", help="auto, cpu or cuda.")
-    ] = "auto",
+    device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
 ) -> None:
     """Translate text, one line in, one line out (greedy search)."""
     lines = _read_input(input)

@@ -1,4 +1,4 @@
-"""The config schema: typed and closed (an unknown key is an error), YAML loading, `--set` overrides.
+"""The config schema: typed and closed (unknown keys are errors), YAML loading, `--set` overrides.
 
 Every key has a default except the data paths; `README.md` documents each one. Relative data
 paths are resolved against the current working directory when the config is loaded, and the
@@ -162,7 +162,9 @@ def _section_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
             return None
         ann = field.annotation
         candidates = getattr(ann, "__args__", (ann,))
-        nxt = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        nxt = next(
+            (c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None
+        )
         if nxt is None:
             return None
         model = nxt

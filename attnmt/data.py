@@ -134,9 +134,9 @@ def collate(
     eos_id: int,
 ) -> Batch:
     """Build a Batch; sources get EOS appended, targets get BOS (input) and EOS (output)."""
-    src_ids = pad_sequences([list(s) + [eos_id] for s in src], pad_id)  # (B, S)
-    tgt_in = pad_sequences([[bos_id] + list(t) for t in tgt], pad_id)  # (B, T)
-    tgt_out = pad_sequences([list(t) + [eos_id] for t in tgt], pad_id)  # (B, T)
+    src_ids = pad_sequences([[*list(s), eos_id] for s in src], pad_id)  # (B, S)
+    tgt_in = pad_sequences([[bos_id, *list(t)] for t in tgt], pad_id)  # (B, T)
+    tgt_out = pad_sequences([[*list(t), eos_id] for t in tgt], pad_id)  # (B, T)
     return Batch(src_ids, src_ids == pad_id, tgt_in, tgt_out, index, pad_id)
 
 
@@ -194,7 +194,8 @@ class BucketSampler:
         batches: list[list[int]] = []
         for start in range(0, n, chunk):
             part = sorted(
-                perm[start : start + chunk], key=lambda i: (self.tgt_lengths[i], self.src_lengths[i])
+                perm[start : start + chunk],
+                key=lambda i: (self.tgt_lengths[i], self.src_lengths[i]),
             )
             batches.extend(token_batches(self.tgt_lengths, self.batch_tokens, part))
         shuffle = torch.randperm(len(batches), generator=g).tolist()

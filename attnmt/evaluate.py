@@ -34,7 +34,7 @@ def translate_lines(
     outputs = [""] * len(lines)
     todo = [i for i, line in enumerate(lines) if line.strip()]
     ids = tokenizer.src.encode([lines[i].strip() for i in todo])
-    src = [s + [EOS_ID] for s in ids]
+    src = [[*s, EOS_ID] for s in ids]
     for batch in sorted_batches([len(s) for s in src], batch_tokens):
         tokens = pad_sequences([src[j] for j in batch], PAD_ID).to(device)  # (B, S)
         hyps = greedy_search(model, tokens, tokens == PAD_ID, max_len_a, max_len_b)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_model
 from tqdm import tqdm
 
 from attnmt.checkpoint import (
@@ -92,9 +93,7 @@ def learning_rate(step: int, cfg: Config, plateau_scale: float) -> float:
 
 
 @torch.no_grad()
-def dev_loss(
-    model: Seq2Seq, split: EncodedSplit, batch_tokens: int, device: torch.device
-) -> float:
+def dev_loss(model: Seq2Seq, split: EncodedSplit, batch_tokens: int, device: torch.device) -> float:
     """Mean per-token cross-entropy (no label smoothing) over the dev set."""
     model.eval()
     sampler = BucketSampler(
@@ -110,6 +109,33 @@ def dev_loss(
         tokens += n
     model.train()
     return total / max(tokens, 1)
+
+
+def test_with_best(
+    model: Seq2Seq, tokenizer: Tokenizer, cfg: Config, out: Path, device: torch.device, log: RunLog
+) -> None:
+    """Translate data.test with the best weights and log its BLEU and chrF."""
+    assert cfg.data.test is not None
+    test_text = read_parallel(cfg.data.test.src, cfg.data.test.tgt)
+    load_model(model, str(out / BEST_FILE), device=str(device))
+    hyps = translate_lines(
+        model,
+        tokenizer,
+        test_text.src,
+        cfg.train.eval_batch_tokens,
+        cfg.decode.max_len_a,
+        cfg.decode.max_len_b,
+        device,
+    )
+    s = score(hyps, test_text.tgt)
+    log.event(
+        "test",
+        f"test ({cfg.data.test.src.name}, best weights): BLEU {s.bleu:.2f} | chrF {s.chrf:.2f} | "
+        f"{s.bleu_signature}",
+        pairs=len(test_text.src),
+        skipped_empty=test_text.skipped_empty,
+        **s.as_dict(),
+    )
 
 
 def train(cfg: Config, out: Path, overwrite: bool = False, quiet: bool = False) -> dict[str, Any]:
@@ -176,8 +202,10 @@ def train(cfg: Config, out: Path, overwrite: bool = False, quiet: bool = False) 
         model.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay
     )
     sampler = BucketSampler(
-        [len(s) + 1 for s in train_data.src], [len(x) + 1 for x in train_data.tgt],
-        t.batch_tokens, t.seed,
+        [len(s) + 1 for s in train_data.src],
+        [len(x) + 1 for x in train_data.tgt],
+        t.batch_tokens,
+        t.seed,
     )
 
     step = 0
@@ -196,8 +224,13 @@ def train(cfg: Config, out: Path, overwrite: bool = False, quiet: bool = False) 
         last_validated = step
         loss = dev_loss(model, dev_data, t.eval_batch_tokens, device)
         hyps = translate_lines(
-            model, tokenizer, dev_text.src, t.eval_batch_tokens,
-            cfg.decode.max_len_a, cfg.decode.max_len_b, device,
+            model,
+            tokenizer,
+            dev_text.src,
+            t.eval_batch_tokens,
+            cfg.decode.max_len_a,
+            cfg.decode.max_len_b,
+            device,
         )
         bleu = score(hyps, dev_text.tgt).bleu
         save_weights(model, out / LAST_FILE)
@@ -220,8 +253,15 @@ def train(cfg: Config, out: Path, overwrite: bool = False, quiet: bool = False) 
             f"step {step} | epoch {epoch} | dev loss {loss:.3f} | ppl {ppl:.2f} | "
             f"BLEU {bleu:.2f}{' *' if improved else ''} | lr {lr:.2e} | tf {tf:.2f} | "
             f"{elapsed:.0f} s",
-            step=step, epoch=epoch, dev_loss=loss, dev_ppl=ppl, dev_bleu=bleu,
-            best_bleu=best_bleu, improved=improved, lr=lr, teacher_forcing=tf,
+            step=step,
+            epoch=epoch,
+            dev_loss=loss,
+            dev_ppl=ppl,
+            dev_bleu=bleu,
+            best_bleu=best_bleu,
+            improved=improved,
+            lr=lr,
+            teacher_forcing=tf,
             elapsed_s=round(elapsed, 1),
         )
         return bad_validations >= t.patience
@@ -231,8 +271,12 @@ def train(cfg: Config, out: Path, overwrite: bool = False, quiet: bool = False) 
     for epoch in range(1, t.max_epochs + 1):
         for idx in sampler.epoch(epoch):
             batch = collate(
-                [train_data.src[i] for i in idx], [train_data.tgt[i] for i in idx],
-                idx, PAD_ID, BOS_ID, EOS_ID,
+                [train_data.src[i] for i in idx],
+                [train_data.tgt[i] for i in idx],
+                idx,
+                PAD_ID,
+                BOS_ID,
+                EOS_ID,
             ).to(device)
             tf = teacher_forcing_ratio(step, t.teacher_forcing)
             lr = learning_rate(step + 1, cfg, plateau_scale)
@@ -257,10 +301,19 @@ def train(cfg: Config, out: Path, overwrite: bool = False, quiet: bool = False) 
                 now = time.time()
                 tok_s = window_tokens / max(now - window_start, 1e-9)
                 window_tokens, window_start = 0, now
-                bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{lr:.1e}",
-                                tok_s=f"{tok_s:.0f}", tf=f"{tf:.2f}")
-                log.event("train", None, step=step, epoch=epoch, loss=loss.item(), lr=lr,
-                          tokens_per_s=round(tok_s, 1), teacher_forcing=tf)
+                bar.set_postfix(
+                    loss=f"{loss.item():.3f}", lr=f"{lr:.1e}", tok_s=f"{tok_s:.0f}", tf=f"{tf:.2f}"
+                )
+                log.event(
+                    "train",
+                    None,
+                    step=step,
+                    epoch=epoch,
+                    loss=loss.item(),
+                    lr=lr,
+                    tokens_per_s=round(tok_s, 1),
+                    teacher_forcing=tf,
+                )
             if step % t.eval_every == 0 and validate(epoch):
                 stop_reason, done = "early_stopping", True
                 break
@@ -272,6 +325,8 @@ def train(cfg: Config, out: Path, overwrite: bool = False, quiet: bool = False) 
     bar.close()
     if last_validated != step:
         validate(epoch)
+    if cfg.data.test is not None:
+        test_with_best(model, tokenizer, cfg, out, device, log)
     elapsed = time.time() - start_time
     summary = {
         "steps": step,

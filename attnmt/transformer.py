@@ -133,7 +133,9 @@ class DecoderLayer(nn.Module):
         k, v = self.self_attn.project_kv(h, h)  # (B, h, T, d_h)
         x = self.res_self.add(x, self.self_attn.attend(h, k, v, causal=True)[0])
         h = self.res_cross.normed_input(x)
-        out, weights = self.cross_attn.attend(h, cross_k, cross_v, src_mask, need_weights=need_weights)
+        out, weights = self.cross_attn.attend(
+            h, cross_k, cross_v, src_mask, need_weights=need_weights
+        )
         x = self.res_cross.add(x, out)
         return self.res_ff.add(x, self.ff(self.res_ff.normed_input(x))), weights
 
@@ -253,7 +255,9 @@ class TransformerSeq2Seq(Seq2Seq):
             memory.enc_out.index_select(0, index), memory.src_mask.index_select(0, index)
         )
         caches = [
-            LayerCache(*(t.index_select(0, index) for t in (c.self_k, c.self_v, c.cross_k, c.cross_v)))
+            LayerCache(
+                *(t.index_select(0, index) for t in (c.self_k, c.self_v, c.cross_k, c.cross_v))
+            )
             for c in state.caches
         ]
         return m, TransformerState(caches, state.position)

@@ -1,0 +1,106 @@
+"""Shared fixtures: a tiny synthetic parallel corpus, a tiny config, an in-process CLI runner."""
+
+from __future__ import annotations
+
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from attnmt.cli import main
+
+# A toy "language pair": each source word maps to one target word, order reversed.
+LEXICON = {f"w{i}": f"t{i}" for i in range(12)}
+
+
+def make_pairs(n: int, seed: int) -> tuple[list[str], list[str]]:
+    rng = random.Random(seed)
+    src, tgt = [], []
+    for _ in range(n):
+        words = [rng.choice(list(LEXICON)) for _ in range(rng.randint(1, 6))]
+        src.append(" ".join(words))
+        tgt.append(" ".join(LEXICON[w] for w in reversed(words)))
+    return src, tgt
+
+
+def write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> dict[str, Path]:
+    """train (300 pairs) and dev (20 pairs) files of the toy language pair."""
+    out = {}
+    for split, n, seed in (("train", 300, 1), ("dev", 20, 2)):
+        src, tgt = make_pairs(n, seed)
+        out[f"{split}_src"] = write_lines(tmp_path / f"{split}.src", src)
+        out[f"{split}_tgt"] = write_lines(tmp_path / f"{split}.tgt", tgt)
+    return out
+
+
+def tiny_config(corpus: dict[str, Path], arch: str = "transformer") -> dict[str, Any]:
+    return {
+        "data": {
+            "train": {"src": str(corpus["train_src"]), "tgt": str(corpus["train_tgt"])},
+            "dev": {"src": str(corpus["dev_src"]), "tgt": str(corpus["dev_tgt"])},
+            "max_len": 20,
+        },
+        "tokenizer": {"vocab_size": 40},
+        "model": {
+            "arch": arch,
+            "emb_size": 16,
+            "hidden_size": 16,
+            "heads": 2,
+            "ff_size": 32,
+            "enc_layers": 1,
+            "dec_layers": 1,
+        },
+        "train": {
+            "max_steps": 8,
+            "batch_tokens": 200,
+            "lr": 0.003,
+            "warmup_steps": 2,
+            "eval_every": 4,
+            "seed": 1,
+            "device": "cpu",
+            "log_every": 2,
+        },
+    }
+
+
+def write_config(path: Path, cfg: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    return path
+
+
+@dataclass
+class CliResult:
+    code: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def run_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    """Run `attnmt ARGS...` in-process through the real entry point."""
+
+    def run(*args: str, stdin: bytes | None = None) -> CliResult:
+        monkeypatch.setattr(sys, "argv", ["attnmt", *args])
+        if stdin is not None:
+            import io
+
+            monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin)))
+        code = 0
+        try:
+            main()
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        captured = capsys.readouterr()
+        return CliResult(code, captured.out, captured.err)
+
+    return run

@@ -1,0 +1,60 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from attnmt.checkpoint import atomic_write_bytes, load_model_dir, prepare_output_dir
+from attnmt.errors import CheckpointError
+
+
+def test_atomic_write_replaces_and_leaves_no_temp(tmp_path: Path):
+    target = tmp_path / "f.bin"
+    atomic_write_bytes(target, b"one")
+    atomic_write_bytes(target, b"two")
+    assert target.read_bytes() == b"two"
+    assert [p.name for p in tmp_path.iterdir()] == ["f.bin"]
+
+
+def test_atomic_write_failure_keeps_old_file(tmp_path: Path):
+    from attnmt.checkpoint import atomic_write
+
+    target = tmp_path / "f.bin"
+    atomic_write_bytes(target, b"old")
+
+    def failing(tmp: Path) -> None:
+        tmp.write_bytes(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        atomic_write(target, failing)
+    assert target.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["f.bin"]
+
+
+def test_output_dir_rules(tmp_path: Path):
+    out = tmp_path / "run"
+    prepare_output_dir(out, overwrite=False)  # new: created
+    (out / "config.yaml").write_text("x")
+    with pytest.raises(CheckpointError, match="not empty; pass --overwrite"):
+        prepare_output_dir(out, overwrite=False)
+    prepare_output_dir(out, overwrite=True)
+    assert not (out / "config.yaml").exists()
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(CheckpointError, match="not a directory"):
+        prepare_output_dir(blocker, overwrite=False)
+
+
+def test_not_a_model_directory(tmp_path: Path):
+    with pytest.raises(CheckpointError, match="model directory not found"):
+        load_model_dir(tmp_path / "missing")
+    with pytest.raises(CheckpointError, match="is not an attnmt model directory"):
+        load_model_dir(tmp_path)
+
+
+def test_newer_format_is_refused(tmp_path: Path):
+    (tmp_path / "config.yaml").write_text("{}")
+    meta = {"format_version": 999, "src_vocab_size": 10, "tgt_vocab_size": 10}
+    (tmp_path / "attnmt.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="format version 999 is newer"):
+        load_model_dir(tmp_path)

@@ -1,0 +1,206 @@
+"""The command line: help, errors as one line with exit code 2, and a tiny end-to-end run."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import tiny_config, write_config, write_lines
+
+
+def assert_user_error(result, *fragments: str) -> None:
+    assert result.code == 2, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr  # one line, no traceback
+    assert lines[0].startswith("attnmt: error: ")
+    for f in fragments:
+        assert f in lines[0]
+
+
+def test_version_and_help(run_cli):
+    r = run_cli("--version")
+    assert r.code == 0 and r.stdout.strip().startswith("attnmt ")
+    for cmd in ("train", "translate", "eval"):
+        r = run_cli(cmd, "--help")
+        assert r.code == 0
+        assert "--help" in r.stdout
+    r = run_cli("--help")
+    assert r.code == 0 and "translate" in r.stdout
+
+
+def test_every_option_has_help():
+    import typer.main
+
+    from attnmt.cli import app
+
+    group = typer.main.get_command(app)
+    for name, cmd in group.commands.items():
+        for param in cmd.params:
+            if param.param_type_name == "option" and param.name != "help":
+                assert param.help, f"{name} --{param.name} has no help"
+
+
+def test_config_errors(tmp_path: Path, corpus, run_cli):
+    cfg = write_config(tmp_path / "c.yaml", tiny_config(corpus))
+    out = str(tmp_path / "m")
+    assert_user_error(
+        run_cli("train", "-c", str(tmp_path / "none.yaml"), "--out", out), "config file not found"
+    )
+    assert_user_error(
+        run_cli("train", "-c", str(cfg), "--out", out, "--set", "train.lr=abc"),
+        "'train.lr' = 'abc'",
+        "valid number",
+    )
+    assert_user_error(
+        run_cli("train", "-c", str(cfg), "--out", out, "--set", "model.kind=gru"),
+        "unknown key 'model.kind'",
+        "allowed keys here: arch",
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_gpu_is_a_config_error(tmp_path: Path, corpus, run_cli):
+    cfg = write_config(tmp_path / "c.yaml", tiny_config(corpus))
+    r = run_cli("train", "-c", str(cfg), "--out", str(tmp_path / "m"), "--set", "train.device=cuda")
+    assert_user_error(r, "train.device = 'cuda': no CUDA device is available")
+
+
+def test_empty_and_too_long_pairs_are_skipped_and_counted(tmp_path: Path, corpus, run_cli):
+    src = corpus["train_src"].read_text().splitlines()
+    tgt = corpus["train_tgt"].read_text().splitlines()
+    src[3], tgt[10] = "", "   "
+    src[20] = " ".join(["w1"] * 60)  # far over data.max_len = 20 subwords
+    write_lines(corpus["train_src"], src)
+    write_lines(corpus["train_tgt"], tgt)
+    cfg = write_config(tmp_path / "c.yaml", tiny_config(corpus))
+    r = run_cli(
+        "train", "-c", str(cfg), "--out", str(tmp_path / "m"), "--set", "train.max_steps=1", "-q"
+    )
+    assert r.code == 0, r.stderr
+    log = (tmp_path / "m" / "train_log.jsonl").read_text().splitlines()
+    data = json.loads(log[0])
+    assert data["event"] == "data"
+    assert data["train_skipped_empty"] == 2
+    assert data["train_skipped_too_long"] == 1
+    assert data["train_pairs"] == 297
+    assert (
+        "2 skipped as empty, 1 longer than 20 subwords"
+        in (tmp_path / "m" / "train.log").read_text()
+    )
+
+
+def test_data_errors(tmp_path: Path, corpus, run_cli):
+    def train_with(**files):
+        raw = tiny_config(corpus)
+        for key, path in files.items():
+            split, side = key.split("_")
+            raw["data"][split][side] = str(path)
+        cfg = write_config(tmp_path / "c.yaml", raw)
+        return run_cli("train", "-c", str(cfg), "--out", str(tmp_path / "m"), "--overwrite", "-q")
+
+    assert_user_error(train_with(train_src=tmp_path / "nope.de"), "file not found", "nope.de")
+    short = write_lines(tmp_path / "short.tgt", ["a", "b"])
+    assert_user_error(train_with(train_tgt=short), "line counts differ", "300 lines", "has 2")
+    bad = tmp_path / "bad.src"
+    lines = corpus["dev_src"].read_bytes().split(b"\n")
+    lines[6] = b"caf\xe9"
+    bad.write_bytes(b"\n".join(lines))
+    assert_user_error(train_with(dev_src=bad), f"{bad}:7: not valid UTF-8")
+
+
+def test_model_dir_errors(tmp_path: Path, run_cli):
+    inp = write_lines(tmp_path / "in.txt", ["hallo"])
+    assert_user_error(
+        run_cli("translate", "--model", str(tmp_path), "--input", str(inp)),
+        "not an attnmt model directory",
+    )
+    assert_user_error(run_cli("eval", "--ref", str(inp)), "give either --hyp FILE, or --model DIR")
+
+
+def test_eval_scores_hypothesis_file(tmp_path: Path, run_cli):
+    ref = write_lines(tmp_path / "ref", ["the cat sat on the mat", "hello world"])
+    hyp = write_lines(tmp_path / "hyp", ["the cat sat on the mat", "hello world"])
+    r = run_cli("eval", "--hyp", str(hyp), "--ref", str(ref), "--json")
+    assert r.code == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert s["bleu"] == 100.0 and s["chrf"] == 100.0
+    assert "tok:13a" in s["bleu_signature"]
+    r = run_cli("eval", "--hyp", str(hyp), "--ref", str(ref))
+    assert "BLEU signature: nrefs:1|case:mixed" in r.stdout
+    short = write_lines(tmp_path / "short", ["x"])
+    assert_user_error(run_cli("eval", "--hyp", str(short), "--ref", str(ref)), "line counts differ")
+
+
+@pytest.mark.parametrize("arch", ["transformer", "rnn"])
+def test_train_translate_eval_end_to_end(tmp_path: Path, corpus, run_cli, arch):
+    raw = tiny_config(corpus, arch)
+    raw["train"]["teacher_forcing"] = {"schedule": "linear", "start": 1.0, "end": 0.5, "steps": 8}
+    raw["data"]["test"] = raw["data"]["dev"]
+    cfg = write_config(tmp_path / "c.yaml", raw)
+    model = tmp_path / "model"
+    r = run_cli("train", "-c", str(cfg), "--out", str(model), "--set", "train.max_steps=9", "-q")
+    assert r.code == 0, r.stderr
+    names = {p.name for p in model.iterdir()}
+    assert {
+        "config.yaml",
+        "spm.model",
+        "best.safetensors",
+        "last.safetensors",
+        "train_log.jsonl",
+        "train.log",
+        "attnmt.json",
+    } <= names
+    saved = yaml.safe_load((model / "config.yaml").read_text())
+    assert saved["train"]["max_steps"] == 9  # the override, resolved
+    assert saved["decode"]["beam"] == 1  # defaults filled in
+    events = [json.loads(line) for line in (model / "train_log.jsonl").read_text().splitlines()]
+    validations = [e for e in events if e["event"] == "validation"]
+    assert [v["step"] for v in validations] == [4, 8, 9]
+    assert all({"dev_loss", "dev_ppl", "dev_bleu"} <= set(v) for v in validations)
+    assert events[-1]["event"] == "done" and events[-1]["steps"] == 9
+    assert events[-2]["event"] == "test" and events[-2]["pairs"] == 20
+    assert "tok:13a" in events[-2]["bleu_signature"]
+
+    # translate: stdin -> stdout, one line out per line in, empty line stays empty
+    r = run_cli("translate", "--model", str(model), stdin=b"w1 w2\n\nw3\n")
+    assert r.code == 0, r.stderr
+    assert r.stdout.count("\n") == 3 and r.stdout.split("\n")[1] == ""
+    # translate: files
+    out = tmp_path / "hyp.txt"
+    r = run_cli("translate", "-m", str(model), "-i", str(corpus["dev_src"]), "-o", str(out))
+    assert r.code == 0, r.stderr
+    assert len(out.read_text().splitlines()) == 20
+    # eval: translate and score
+    r = run_cli(
+        "eval",
+        "-m",
+        str(model),
+        "--src",
+        str(corpus["dev_src"]),
+        "--ref",
+        str(corpus["dev_tgt"]),
+        "--json",
+    )
+    assert r.code == 0, r.stderr
+    assert 0.0 <= json.loads(r.stdout)["bleu"] <= 100.0
+    # invalid UTF-8 on stdin is a user error with the line number
+    r = run_cli("translate", "--model", str(model), stdin=b"ok\n\xff\n")
+    assert_user_error(r, "<stdin>:2: not valid UTF-8")
+
+
+def test_real_entry_point_prints_one_line(tmp_path: Path):
+    """The installed command itself (not the in-process runner): one line, exit 2."""
+    r = subprocess.run(
+        [sys.executable, "-m", "attnmt", "translate", "--model", str(tmp_path / "none")],
+        capture_output=True,
+        text=True,
+        input="x\n",
+    )
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        f"attnmt: error: model directory not found: {tmp_path / 'none'}"
+    ]

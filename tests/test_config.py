@@ -1,0 +1,96 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from attnmt.config import Config, apply_override, from_dict, load_config, to_yaml
+from attnmt.errors import ConfigError
+
+MINIMAL = {"data": {"train": {"src": "a", "tgt": "b"}, "dev": {"src": "c", "tgt": "d"}}}
+
+
+def with_override(*assignments: str) -> dict:
+    raw = yaml.safe_load(yaml.safe_dump(MINIMAL))
+    for a in assignments:
+        apply_override(raw, a)
+    return raw
+
+
+def test_defaults_filled_in():
+    cfg = from_dict(MINIMAL)
+    assert cfg.model.arch == "transformer"
+    assert cfg.train.teacher_forcing.schedule == "constant"
+    assert cfg.data.test is None
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("train.lrr=0.1", "unknown key 'train.lrr'; allowed keys here: max_steps"),
+        ("train.lr=fast", "'train.lr' = 'fast': Input should be a valid number"),
+        ("train.lr=-1", "'train.lr' = -1: Input should be greater than 0"),
+        ("model.arch=lstm", "'model.arch' = 'lstm': Input should be 'rnn' or 'transformer'"),
+        ("train.device=tpu", "'train.device' = 'tpu': Input should be 'auto', 'cpu' or 'cuda'"),
+        ("train.teacher_forcing.start=1.5", "'train.teacher_forcing.start' = 1.5"),
+        ("train.teacher_forcing.schedule=cosine", "'constant', 'linear', 'exponential'"),
+        ("bogus.key=1", "unknown key 'bogus'"),
+        ("model.heads=3", "model.hidden_size = 256 must be divisible by model.heads = 3"),
+        ("data.max_len=0", "'data.max_len' = 0: Input should be greater than or equal to 1"),
+    ],
+)
+def test_bad_values_name_key_value_and_allowed(override, expected):
+    with pytest.raises(ConfigError) as e:
+        from_dict(with_override(override))
+    assert expected in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_required_key():
+    with pytest.raises(ConfigError, match=r"missing required key 'data\.dev'"):
+        from_dict({"data": {"train": {"src": "a", "tgt": "b"}}})
+
+
+def test_override_parses_yaml_values():
+    cfg = from_dict(
+        with_override(
+            "train.lr=1e-3",
+            "model.arch=rnn",
+            "train.teacher_forcing={schedule: linear, start: 1.0, end: 0.5, steps: 10}",
+            "tokenizer.joint=false",
+        )
+    )
+    assert cfg.train.lr == 1e-3
+    assert cfg.model.arch == "rnn"
+    assert cfg.train.teacher_forcing.end == 0.5
+    assert cfg.tokenizer.joint is False
+
+
+def test_override_syntax_errors():
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        apply_override({}, "train.lr")
+    with pytest.raises(ConfigError, match=r"'train\.lr' is a value, not a section"):
+        apply_override({"train": {"lr": 1}}, "train.lr.x=1")
+
+
+def test_load_config_resolves_paths_and_round_trips(tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(MINIMAL))
+    cfg = load_config(path, ["train.seed=7"])
+    assert cfg.data.train.src == tmp_path / "a"
+    assert cfg.train.seed == 7
+    again = Config.model_validate(yaml.safe_load(to_yaml(cfg)))
+    assert again == cfg
+
+
+def test_load_config_file_errors(tmp_path: Path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  train: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml:\d+: not valid YAML"):
+        load_config(bad)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(listy)
