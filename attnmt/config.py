@@ -146,7 +146,7 @@ def _format_error(err: ValidationError) -> str:
     if kind == "extra_forbidden":
         parent = _section_at(first["loc"][:-1])
         allowed = ", ".join(parent.model_fields) if parent else "none"
-        return f"config: unknown key '{loc}'; allowed keys here: {allowed}"
+        return f"config: unknown key '{loc}' (value {value!r}); allowed keys here: {allowed}"
     if kind == "missing":
         return f"config: missing required key '{loc}'"
     msg = first["msg"].removeprefix("Value error, ")

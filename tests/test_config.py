@@ -26,7 +26,7 @@ def test_defaults_filled_in():
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        ("train.lrr=0.1", "unknown key 'train.lrr'; allowed keys here: max_steps"),
+        ("train.lrr=0.1", "unknown key 'train.lrr' (value 0.1); allowed keys here: max_steps"),
         ("train.lr=fast", "'train.lr' = 'fast': Input should be a valid number"),
         ("train.lr=-1", "'train.lr' = -1: Input should be greater than 0"),
         ("model.arch=lstm", "'model.arch' = 'lstm': Input should be 'rnn' or 'transformer'"),
