@@ -8,6 +8,10 @@ A model directory holds everything translate and eval need:
     train_log.jsonl       one JSON object per validation (and start/end events)
     train.log             the same, as the lines printed during training
     attnmt.json           format version and vocabulary sizes
+    checkpoints/          step-N.safetensors + step-N.state.pt (optimizer, RNG states, counters:
+                          everything --resume needs) for the best `train.keep_best` and the last
+                          `train.keep_last` checkpoints, and latest.json, the pointer to the
+                          newest complete one
 Every file is written to a temporary name in the same directory, fsynced, then renamed into
 place, so a crash never leaves a half-written file under a real name.
 """
@@ -16,14 +20,17 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import re
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
-from safetensors import SafetensorError
-from safetensors.torch import load_model, save_model
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from attnmt import __version__
 from attnmt.config import Config, from_dict, to_yaml
@@ -38,6 +45,10 @@ BEST_FILE = "best.safetensors"
 LAST_FILE = "last.safetensors"
 LOG_JSONL = "train_log.jsonl"
 LOG_TEXT = "train.log"
+CKPT_DIR = "checkpoints"
+LATEST = "latest.json"
+STATE_FORMAT_VERSION = 1
+_STEP_FILE = re.compile(r"step-(\d+)\.(safetensors|state\.pt)$")
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -67,42 +78,172 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     atomic_write(path, lambda tmp: tmp.write_bytes(data))
 
 
+def weights_dict(model: Seq2Seq) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """State dict without tied duplicates, and {dropped name: kept name}.
+
+    Names are visited in sorted order and the first name of each shared tensor is kept, so the
+    file is byte-for-byte the same for the same weights (safetensors refuses shared tensors).
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    owner: dict[tuple[int, tuple[int, ...]], str] = {}
+    state = model.state_dict()
+    for name in sorted(state):
+        t = state[name]
+        key = (t.data_ptr(), tuple(t.shape))
+        if key in owner:
+            aliases[name] = owner[key]
+        else:
+            owner[key] = name
+            tensors[name] = t.detach().contiguous()
+    return tensors, aliases
+
+
 def save_weights(model: Seq2Seq, path: Path) -> None:
-    """Save weights as safetensors (shared/tied tensors stored once)."""
-    atomic_write(path, lambda tmp: save_model(model, str(tmp)))
+    """Save weights as safetensors; tied tensors are stored once."""
+    tensors, aliases = weights_dict(model)
+    # One metadata entry only: the header's metadata map has no fixed key order.
+    metadata = {"attnmt.tied": json.dumps(aliases, sort_keys=True)} if aliases else None
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
-def prepare_output_dir(out: Path, overwrite: bool) -> None:
-    """Create the model directory, refusing to mix a new run into an existing one.
+def load_weights(model: Seq2Seq, path: Path, device: torch.device | str = "cpu") -> None:
+    """Load weights saved by save_weights into model (strict: every name must match)."""
+    try:
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            aliases = json.loads((f.metadata() or {}).get("attnmt.tied", "{}"))
+            state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+        for name, kept in aliases.items():
+            state[name] = state[kept]
+        model.load_state_dict(state, strict=True)
+    except (SafetensorError, OSError, RuntimeError, ValueError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: cannot load weights ({first})") from None
 
-    Fails before training starts if the directory cannot be created or written.
+
+RUN_FILES = (
+    CONFIG_FILE,
+    META_FILE,
+    BEST_FILE,
+    LAST_FILE,
+    LOG_JSONL,
+    LOG_TEXT,
+    Tokenizer.JOINT_FILE,
+    Tokenizer.SRC_FILE,
+    Tokenizer.TGT_FILE,
+)
+
+
+def prepare_output_dir(out: Path, overwrite: bool, resume: bool) -> None:
+    """Create (or, with resume, reuse) the model directory; refuse to mix two runs.
+
+    Fails before any data is read if the directory cannot be created or written.
     """
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"--out {out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()):
+    if out.is_dir() and any(out.iterdir()) and not resume:
         if not overwrite:
             raise CheckpointError(
-                f"--out {out}: directory is not empty; pass --overwrite to replace its contents"
+                f"--out {out}: already holds a run (or other files); pass --resume to continue "
+                "it or --overwrite to start over"
             )
-        for name in (
-            CONFIG_FILE,
-            META_FILE,
-            BEST_FILE,
-            LAST_FILE,
-            LOG_JSONL,
-            LOG_TEXT,
-            Tokenizer.JOINT_FILE,
-            Tokenizer.SRC_FILE,
-            Tokenizer.TGT_FILE,
-        ):
+        for name in RUN_FILES:
             (out / name).unlink(missing_ok=True)
+        if (out / CKPT_DIR).is_dir():
+            for f in (out / CKPT_DIR).iterdir():
+                f.unlink()
+    if resume:
+        # Temporary files of saves that a crash interrupted; the real files were never touched.
+        for d in (out, out / CKPT_DIR):
+            if d.is_dir():
+                for f in d.glob(".*.tmp"):
+                    f.unlink(missing_ok=True)
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-test"
+        (out / CKPT_DIR).mkdir(parents=True, exist_ok=True)
+        probe = out / CKPT_DIR / ".write-test"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise CheckpointError(f"--out {out}: cannot write there ({e.strerror})") from None
+        raise CheckpointError(f"--out {out}: cannot write there ({e.strerror or e})") from None
+
+
+@dataclass
+class CheckpointRecord:
+    step: int
+    bleu: float | None  # dev BLEU when saved at a validation, None for an interrupt save
+
+
+def save_checkpoint(
+    out: Path,
+    model: Seq2Seq,
+    state: dict[str, Any],
+    records: list[CheckpointRecord],
+    keep_last: int,
+    keep_best: int,
+) -> None:
+    """Write step-N weights and state, move the latest pointer to them, prune old ones.
+
+    The pointer moves only after both files are complete, and pruning happens only after the
+    pointer moved, so at every instant latest.json names a complete checkpoint.
+    """
+    step = records[-1].step
+    ckpt = out / CKPT_DIR
+    weights = ckpt / f"step-{step:08d}.safetensors"
+    state_file = ckpt / f"step-{step:08d}.state.pt"
+    save_weights(model, weights)
+    atomic_write(state_file, lambda tmp: torch.save(state, tmp))
+    pointer = {"step": step, "weights": weights.name, "state": state_file.name}
+    atomic_write_bytes(ckpt / LATEST, json.dumps(pointer).encode("utf-8"))
+    keep = {r.step for r in records[-keep_last:]}
+    scored = sorted((r for r in records if r.bleu is not None), key=lambda r: -(r.bleu or 0.0))
+    keep |= {r.step for r in scored[:keep_best]}
+    for f in ckpt.iterdir():
+        m = _STEP_FILE.match(f.name)
+        if m and int(m.group(1)) not in keep:
+            f.unlink(missing_ok=True)
+    records[:] = [r for r in records if r.step in keep]
+
+
+def latest_checkpoint(out: Path) -> tuple[Path, Path] | None:
+    """(weights, state) of the newest complete checkpoint, or None if there is none yet."""
+    pointer = out / CKPT_DIR / LATEST
+    if not pointer.is_file():
+        return None
+    try:
+        p = json.loads(pointer.read_text(encoding="utf-8"))
+        weights, state = out / CKPT_DIR / p["weights"], out / CKPT_DIR / p["state"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{pointer}: unreadable checkpoint pointer ({e})") from None
+    for f in (weights, state):
+        if not f.is_file():
+            raise CheckpointError(f"{pointer} names {f.name}, which is missing")
+    return weights, state
+
+
+def load_train_state(path: Path) -> dict[str, Any]:
+    """Load a training state with torch.load(weights_only=True): plain tensors and numbers only.
+
+    A file that would run code or build arbitrary objects when unpickled is refused before any
+    of its code runs.
+    """
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else "unpickling refused"
+        raise CheckpointError(
+            f"{path}: refused to load: the file holds objects other than tensors and numbers "
+            f"(it could run code when unpickled): {first}"
+        ) from None
+    except (RuntimeError, OSError, EOFError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable training state ({e})") from None
+    if not isinstance(state, dict) or "format_version" not in state:
+        raise CheckpointError(f"{path}: not an attnmt training state")
+    if int(state["format_version"]) > STATE_FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: training-state format version {state['format_version']} is newer than "
+            f"this attnmt ({__version__}) reads (version {STATE_FORMAT_VERSION}); upgrade attnmt"
+        )
+    return state
 
 
 def write_run_files(out: Path, cfg: Config, tokenizer: Tokenizer) -> None:
@@ -152,14 +293,6 @@ def load_model_dir(
     weights_path = model_dir / weights
     if not weights_path.is_file():
         raise CheckpointError(f"{model_dir}: no {weights} (training has not saved weights yet)")
-    try:
-        missing, unexpected = load_model(model, str(weights_path), strict=False)
-    except (SafetensorError, OSError, RuntimeError) as e:
-        raise CheckpointError(f"{weights_path}: cannot load weights ({e})") from None
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{weights_path}: weights do not match the config "
-            f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})"
-        )
+    load_weights(model, weights_path, device)
     model.to(device).eval()
     return cfg, tokenizer, model

@@ -7,6 +7,7 @@ gave us) becomes one line on stderr and exit code 2, never a traceback.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -14,7 +15,7 @@ from typing import Annotated
 import typer
 
 from attnmt import __version__
-from attnmt.errors import AttnmtError, DataError
+from attnmt.errors import AttnmtError, DataError, TrainingInterrupted
 
 app = typer.Typer(
     name="attnmt",
@@ -55,8 +56,12 @@ def train(
             "(repeatable), e.g. --set train.lr=0.001",
         ),
     ] = None,
+    resume: Annotated[
+        bool,
+        typer.Option("--resume", help="Continue the run in --out from its last checkpoint."),
+    ] = False,
     overwrite: Annotated[
-        bool, typer.Option("--overwrite", help="Replace the contents of a non-empty --out.")
+        bool, typer.Option("--overwrite", help="Replace the run in --out with a new one.")
     ] = False,
     quiet: Annotated[
         bool, typer.Option("--quiet", "-q", help="No progress bar or log lines on stderr.")
@@ -66,8 +71,10 @@ def train(
     from attnmt.config import load_config
     from attnmt.train import train as run_training
 
+    if resume and overwrite:
+        raise AttnmtError("--resume and --overwrite contradict each other; pick one")
     cfg = load_config(config, overrides or [])
-    run_training(cfg, out, overwrite=overwrite, quiet=quiet)
+    run_training(cfg, out, overwrite=overwrite, resume=resume, quiet=quiet)
 
 
 def _read_input(path: Path | None) -> list[str]:
@@ -193,6 +200,13 @@ def main() -> None:
     except AttnmtError as e:
         print(f"attnmt: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except TrainingInterrupted as e:
+        name = signal.Signals(e.signum).name
+        print(
+            f"attnmt: {name} at step {e.step}: checkpoint saved; continue with --resume",
+            file=sys.stderr,
+        )
+        sys.exit(128 + e.signum)
     except KeyboardInterrupt:
         print("attnmt: interrupted", file=sys.stderr)
         sys.exit(130)

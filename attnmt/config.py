@@ -105,6 +105,9 @@ class TrainConfig(_Section):
     eval_batch_tokens: int = Field(8000, ge=1)
     patience: int = Field(10, ge=1)
     log_every: int = Field(100, ge=1)
+    keep_best: int = Field(1, ge=1, le=1000)
+    keep_last: int = Field(1, ge=1, le=1000)
+    max_bad_steps: int = Field(10, ge=1)
     teacher_forcing: TeacherForcingConfig = TeacherForcingConfig()
 
     @model_validator(mode="after")

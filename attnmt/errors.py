@@ -15,3 +15,16 @@ class DataError(AttnmtError):
 
 class CheckpointError(AttnmtError):
     """A model directory is missing, incomplete, or from an incompatible version."""
+
+
+class TrainingError(AttnmtError):
+    """Training cannot go on (for example, the loss stayed non-finite too long)."""
+
+
+class TrainingInterrupted(Exception):
+    """SIGINT/SIGTERM arrived; a checkpoint was saved. Not a user error: exit 128 + signum."""
+
+    def __init__(self, signum: int, step: int) -> None:
+        super().__init__(f"signal {signum} at step {step}")
+        self.signum = signum
+        self.step = step

@@ -1,41 +1,78 @@
-"""The training loop: data and tokenizer setup, steps, validation, early stopping.
+"""The training loop: data and tokenizer setup, steps, validation, early stopping, resume.
 
-Reads top to bottom: prepare the model directory, read and validate the data, train the
-SentencePiece model, build the model, then one flat loop over epochs and batches with a
-validation every `train.eval_every` steps.
+Reads top to bottom: prepare the model directory, read and validate the data, train (or, when
+resuming, load) the SentencePiece model, build the model, restore the last checkpoint if asked,
+then one flat loop over epochs and batches with a validation and checkpoint every
+`train.eval_every` steps.
+
+Everything that decides what happens next lives in `Progress` and the RNG states, and all of it
+is saved with each checkpoint, so a resumed run takes exactly the steps the uninterrupted run
+would have taken (on CPU its weights are byte-identical).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import signal
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-from safetensors.torch import load_model
+import yaml
 from tqdm import tqdm
 
 from attnmt.checkpoint import (
     BEST_FILE,
+    CONFIG_FILE,
     LAST_FILE,
     LOG_JSONL,
     LOG_TEXT,
+    STATE_FORMAT_VERSION,
+    CheckpointRecord,
+    latest_checkpoint,
+    load_train_state,
+    load_weights,
     prepare_output_dir,
+    save_checkpoint,
     save_weights,
     write_run_files,
 )
-from attnmt.config import Config
+from attnmt.config import Config, from_dict
 from attnmt.data import BucketSampler, ParallelText, collate, read_parallel
-from attnmt.errors import ConfigError, DataError
+from attnmt.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    TrainingError,
+    TrainingInterrupted,
+)
 from attnmt.evaluate import score, translate_lines
 from attnmt.model import Seq2Seq, build_model
 from attnmt.schedules import inverse_sqrt_lr, teacher_forcing_ratio, warmup_lr
 from attnmt.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+
+# Keys that may change between a run and its resumption: they do not change what a step computes.
+RESUMABLE_KEYS = (
+    "train.max_steps",
+    "train.max_epochs",
+    "train.patience",
+    "train.device",
+    "train.threads",
+    "train.log_every",
+    "train.keep_best",
+    "train.keep_last",
+    "train.max_bad_steps",
+    "train.eval_batch_tokens",
+    "decode.",
+)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -85,11 +122,85 @@ def encode_and_filter(
     return EncodedSplit([src[i] for i in keep], [tgt[i] for i in keep]), len(src) - len(keep)
 
 
+@dataclass
+class Progress:
+    """Counters that decide what training does next; saved in every checkpoint."""
+
+    step: int = 0
+    epoch: int = 1
+    batch_in_epoch: int = 0  # batches of `epoch` already consumed (trained on or skipped)
+    best_bleu: float = -math.inf
+    bad_validations: int = 0  # validations since the last improvement (early stopping)
+    plateau_scale: float = 1.0
+    plateau_bad: int = 0
+    bad_steps_in_a_row: int = 0
+    skipped_steps: int = 0
+    last_validated: int = -1
+    elapsed_s: float = 0.0
+    checkpoints: list[list[Any]] = field(default_factory=list)  # [step, dev BLEU or None]
+
+
 def learning_rate(step: int, cfg: Config, plateau_scale: float) -> float:
     t = cfg.train
     if t.lr_schedule == "inverse_sqrt":
         return max(inverse_sqrt_lr(step, t.lr, t.warmup_steps), t.min_lr)
     return max(warmup_lr(step, t.lr, t.warmup_steps) * plateau_scale, t.min_lr)
+
+
+def rng_state(tf_generator: torch.Generator) -> dict[str, Any]:
+    """Every RNG a step can draw from, as plain tensors and numbers."""
+    np_state = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": {
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "teacher_forcing": tf_generator.get_state(),
+    }
+
+
+def set_rng_state(state: dict[str, Any], tf_generator: torch.Generator) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state(
+        ("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+         n["cached_gaussian"])
+    )  # fmt: skip
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    tf_generator.set_state(state["teacher_forcing"])
+
+
+def check_resumable(saved: Config, new: Config) -> None:
+    """Refuse to resume with a config that would compute different steps."""
+
+    def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            if isinstance(v, dict):
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    a, b = flat(saved.model_dump(mode="json")), flat(new.model_dump(mode="json"))
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) != b.get(key) and not key.startswith(RESUMABLE_KEYS):
+            raise ConfigError(
+                f"--resume: '{key}' = {b.get(key)!r} differs from the run's {a.get(key)!r}; "
+                f"only {', '.join(k.rstrip('.') for k in RESUMABLE_KEYS)} may change on resume"
+            )
+
+
+def all_finite(model: Seq2Seq) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
 @torch.no_grad()
@@ -117,7 +228,7 @@ def test_with_best(
     """Translate data.test with the best weights and log its BLEU and chrF."""
     assert cfg.data.test is not None
     test_text = read_parallel(cfg.data.test.src, cfg.data.test.tgt)
-    load_model(model, str(out / BEST_FILE), device=str(device))
+    load_weights(model, out / BEST_FILE, device)
     hyps = translate_lines(
         model,
         tokenizer,
@@ -138,17 +249,45 @@ def test_with_best(
     )
 
 
-def train(cfg: Config, out: Path, overwrite: bool = False, quiet: bool = False) -> dict[str, Any]:
+class StopSignals:
+    """SIGINT/SIGTERM: the first asks the loop to checkpoint and stop after the current step;
+    a second one exits at once (every file on disk is already complete, writes are atomic)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            os._exit(128 + signum)
+        self.signum = signum
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def train(
+    cfg: Config, out: Path, overwrite: bool = False, resume: bool = False, quiet: bool = False
+) -> dict[str, Any]:
     """Train a model from cfg into the model directory `out`; returns a summary."""
     t = cfg.train
-    prepare_output_dir(out, overwrite)
+    prepare_output_dir(out, overwrite, resume)
     device = resolve_device(t.device)
     if t.threads:
         torch.set_num_threads(t.threads)
     random.seed(t.seed)
+    np.random.seed(t.seed)
     torch.manual_seed(t.seed)
     # Scheduled sampling draws from its own generator so its coin flips are reproducible.
     tf_generator = torch.Generator().manual_seed(t.seed + 1)
+    checkpoint = latest_checkpoint(out) if resume else None
 
     log = RunLog(out, quiet)
     start_time = time.time()
@@ -158,15 +297,21 @@ def train(cfg: Config, out: Path, overwrite: bool = False, quiet: bool = False) 
         raise DataError(f"{cfg.data.train.src}: no sentence pairs with text on both sides")
     if not dev_text.src:
         raise DataError(f"{cfg.data.dev.src}: no sentence pairs with text on both sides")
-    tokenizer = Tokenizer.train(
-        train_text.src,
-        train_text.tgt,
-        cfg.tokenizer.vocab_size,
-        cfg.tokenizer.joint,
-        cfg.tokenizer.model_type,
-        cfg.tokenizer.character_coverage,
-    )
-    write_run_files(out, cfg, tokenizer)
+    if checkpoint is not None:
+        saved = yaml.safe_load((out / CONFIG_FILE).read_text(encoding="utf-8"))
+        check_resumable(from_dict(saved), cfg)
+        tokenizer = Tokenizer.load(out, cfg.tokenizer.joint)
+        write_run_files(out, cfg, tokenizer)  # the config may carry resumable changes
+    else:
+        tokenizer = Tokenizer.train(
+            train_text.src,
+            train_text.tgt,
+            cfg.tokenizer.vocab_size,
+            cfg.tokenizer.joint,
+            cfg.tokenizer.model_type,
+            cfg.tokenizer.character_coverage,
+        )
+        write_run_files(out, cfg, tokenizer)
     train_data, too_long = encode_and_filter(train_text, tokenizer, cfg.data.max_len)
     dev_data, _ = encode_and_filter(dev_text, tokenizer, 1 << 30)
     if not train_data.src:
@@ -188,16 +333,9 @@ def train(cfg: Config, out: Path, overwrite: bool = False, quiet: bool = False) 
         tgt_vocab=len(tokenizer.tgt),
     )
 
-    model = build_model(cfg.model, len(tokenizer.src), len(tokenizer.tgt), tokenizer.joint)
+    model = build_checked_model(cfg, tokenizer, device)
     model.to(device).train()
     n_params = sum(p.numel() for p in model.parameters())
-    log.event(
-        "model",
-        f"model: {cfg.model.arch}, {n_params:,} parameters, device {device}",
-        arch=cfg.model.arch,
-        parameters=n_params,
-        device=str(device),
-    )
     optimizer = torch.optim.Adam(
         model.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay
     )
@@ -207,21 +345,50 @@ def train(cfg: Config, out: Path, overwrite: bool = False, quiet: bool = False) 
         t.batch_tokens,
         t.seed,
     )
+    progress = Progress()
+    if checkpoint is not None:
+        weights_path, state_path = checkpoint
+        state = load_train_state(state_path)
+        load_weights(model, weights_path, device)
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise CheckpointError(f"{weights_path}: cannot restore the checkpoint ({e})") from None
+        progress = Progress(**state["progress"])
+        set_rng_state(state["rng"], tf_generator)
+        save_weights(model, out / LAST_FILE)
+    log.event(
+        "model",
+        f"model: {cfg.model.arch}, {n_params:,} parameters, device {device}"
+        + (f" | resumed at step {progress.step}" if checkpoint else ""),
+        arch=cfg.model.arch,
+        parameters=n_params,
+        device=str(device),
+        resumed_step=progress.step if checkpoint else None,
+    )
+    if resume and checkpoint is None:
+        log.event("resume", "--resume: no checkpoint in this directory yet; starting at step 0")
 
-    step = 0
-    best_bleu = -math.inf
-    bad_validations = 0
-    plateau_scale, plateau_bad = 1.0, 0
-    bad_steps = 0
-    stop_reason = "max_epochs"
-    last_validated = -1
-    window_tokens, window_start = 0, time.time()
-    bar = tqdm(total=t.max_steps, desc="train", unit="step", disable=quiet or None, file=sys.stderr)
+    def elapsed() -> float:
+        return progress.elapsed_s + time.time() - start_time
 
-    def validate(epoch: int) -> bool:
-        """Dev loss, perplexity and greedy BLEU; saves best/last. Returns True to stop early."""
-        nonlocal best_bleu, bad_validations, plateau_scale, plateau_bad, last_validated
-        last_validated = step
+    def checkpoint_now(bleu: float | None) -> None:
+        progress.checkpoints.append([progress.step, bleu])
+        records = [CheckpointRecord(s, b) for s, b in progress.checkpoints]
+        state = {
+            "format_version": STATE_FORMAT_VERSION,
+            "progress": {**asdict(progress), "elapsed_s": elapsed()},
+            "optimizer": optimizer.state_dict(),
+            "rng": rng_state(tf_generator),
+        }
+        save_checkpoint(out, model, state, records, t.keep_last, t.keep_best)
+        progress.checkpoints = [[r.step, r.bleu] for r in records]
+
+    def validate() -> bool:
+        """Dev loss, perplexity and greedy BLEU; saves weights and a checkpoint.
+        Returns True when early stopping says stop."""
+        p = progress
+        p.last_validated = p.step
         loss = dev_loss(model, dev_data, t.eval_batch_tokens, device)
         hyps = translate_lines(
             model,
@@ -233,114 +400,186 @@ def train(cfg: Config, out: Path, overwrite: bool = False, quiet: bool = False) 
             device,
         )
         bleu = score(hyps, dev_text.tgt).bleu
-        save_weights(model, out / LAST_FILE)
-        improved = math.isfinite(bleu) and math.isfinite(loss) and bleu > best_bleu
+        finite = math.isfinite(loss) and all_finite(model)
+        improved = finite and bleu > p.best_bleu
         if improved:
-            best_bleu, bad_validations, plateau_bad = bleu, 0, 0
+            p.best_bleu, p.bad_validations, p.plateau_bad = bleu, 0, 0
             save_weights(model, out / BEST_FILE)
         else:
-            bad_validations += 1
-            plateau_bad += 1
-            if t.lr_schedule == "plateau" and plateau_bad > t.plateau_patience:
-                plateau_scale *= t.plateau_factor
-                plateau_bad = 0
+            p.bad_validations += 1
+            p.plateau_bad += 1
+            if t.lr_schedule == "plateau" and p.plateau_bad > t.plateau_patience:
+                p.plateau_scale *= t.plateau_factor
+                p.plateau_bad = 0
+        save_weights(model, out / LAST_FILE)
+        checkpoint_now(bleu if finite else None)
         ppl = math.exp(min(loss, 50.0))
-        lr = learning_rate(step, cfg, plateau_scale)
-        tf = teacher_forcing_ratio(step, t.teacher_forcing)
-        elapsed = time.time() - start_time
+        lr = learning_rate(p.step, cfg, p.plateau_scale)
+        tf = teacher_forcing_ratio(p.step, t.teacher_forcing)
         log.event(
             "validation",
-            f"step {step} | epoch {epoch} | dev loss {loss:.3f} | ppl {ppl:.2f} | "
+            f"step {p.step} | epoch {p.epoch} | dev loss {loss:.3f} | ppl {ppl:.2f} | "
             f"BLEU {bleu:.2f}{' *' if improved else ''} | lr {lr:.2e} | tf {tf:.2f} | "
-            f"{elapsed:.0f} s",
-            step=step,
-            epoch=epoch,
+            f"{elapsed():.0f} s",
+            step=p.step,
+            epoch=p.epoch,
             dev_loss=loss,
             dev_ppl=ppl,
             dev_bleu=bleu,
-            best_bleu=best_bleu,
+            best_bleu=p.best_bleu,
             improved=improved,
             lr=lr,
             teacher_forcing=tf,
-            elapsed_s=round(elapsed, 1),
+            elapsed_s=round(elapsed(), 1),
         )
-        return bad_validations >= t.patience
+        return p.bad_validations >= t.patience
 
-    epoch = 0
-    done = False
-    for epoch in range(1, t.max_epochs + 1):
-        for idx in sampler.epoch(epoch):
-            batch = collate(
-                [train_data.src[i] for i in idx],
-                [train_data.tgt[i] for i in idx],
-                idx,
-                PAD_ID,
-                BOS_ID,
-                EOS_ID,
-            ).to(device)
-            tf = teacher_forcing_ratio(step, t.teacher_forcing)
-            lr = learning_rate(step + 1, cfg, plateau_scale)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            loss_sum, n_tokens = model.loss(batch, tf, t.label_smoothing, tf_generator)
-            loss = loss_sum / n_tokens
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                model.parameters(), t.clip_grad_norm if t.clip_grad_norm > 0 else math.inf
-            )
-            if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
-                bad_steps += 1  # skip the update: one bad batch must not poison the weights
-                log.event("nonfinite", None, step=step + 1, bad_steps=bad_steps)
-                continue
-            optimizer.step()
-            step += 1
-            window_tokens += n_tokens
-            bar.update(1)
-            if step % t.log_every == 0 or step == 1:
-                now = time.time()
-                tok_s = window_tokens / max(now - window_start, 1e-9)
-                window_tokens, window_start = 0, now
-                bar.set_postfix(
-                    loss=f"{loss.item():.3f}", lr=f"{lr:.1e}", tok_s=f"{tok_s:.0f}", tf=f"{tf:.2f}"
+    stop_reason = "max_epochs"
+    window_tokens, window_start = 0, time.time()
+    bar = tqdm(
+        total=t.max_steps,
+        initial=progress.step,
+        desc="train",
+        unit="step",
+        disable=quiet or None,
+        file=sys.stderr,
+    )
+    p = progress
+    done = p.step >= t.max_steps
+    if done:
+        stop_reason = "max_steps"
+    with StopSignals() as signals:
+        while not done and p.epoch <= t.max_epochs:
+            batches = sampler.epoch(p.epoch)
+            while p.batch_in_epoch < len(batches):
+                idx = batches[p.batch_in_epoch]
+                p.batch_in_epoch += 1
+                batch = collate(
+                    [train_data.src[i] for i in idx],
+                    [train_data.tgt[i] for i in idx],
+                    idx,
+                    PAD_ID,
+                    BOS_ID,
+                    EOS_ID,
+                ).to(device)
+                tf = teacher_forcing_ratio(p.step, t.teacher_forcing)
+                lr = learning_rate(p.step + 1, cfg, p.plateau_scale)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                loss_sum, n_tokens = model.loss(batch, tf, t.label_smoothing, tf_generator)
+                loss = loss_sum / n_tokens
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(
+                    model.parameters(), t.clip_grad_norm if t.clip_grad_norm > 0 else math.inf
                 )
-                log.event(
-                    "train",
-                    None,
-                    step=step,
-                    epoch=epoch,
-                    loss=loss.item(),
-                    lr=lr,
-                    tokens_per_s=round(tok_s, 1),
-                    teacher_forcing=tf,
-                )
-            if step % t.eval_every == 0 and validate(epoch):
-                stop_reason, done = "early_stopping", True
-                break
-            if step >= t.max_steps:
-                stop_reason, done = "max_steps", True
-                break
-        if done:
-            break
+                if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
+                    # Skip the update: one bad batch must not poison the weights.
+                    p.bad_steps_in_a_row += 1
+                    p.skipped_steps += 1
+                    log.event(
+                        "nonfinite",
+                        None,
+                        step=p.step + 1,
+                        in_a_row=p.bad_steps_in_a_row,
+                        skipped_total=p.skipped_steps,
+                    )
+                    if p.bad_steps_in_a_row >= t.max_bad_steps:
+                        raise TrainingError(
+                            f"{p.bad_steps_in_a_row} steps in a row had a non-finite loss or "
+                            f"gradient (train.max_bad_steps = {t.max_bad_steps}) at step "
+                            f"{p.step + 1}; try a lower train.lr or train.clip_grad_norm"
+                        )
+                else:
+                    optimizer.step()
+                    p.step += 1
+                    p.bad_steps_in_a_row = 0
+                    window_tokens += n_tokens
+                    bar.update(1)
+                    if p.step % t.log_every == 0 or p.step == 1:
+                        now = time.time()
+                        tok_s = window_tokens / max(now - window_start, 1e-9)
+                        window_tokens, window_start = 0, now
+                        bar.set_postfix(
+                            loss=f"{loss.item():.3f}",
+                            lr=f"{lr:.1e}",
+                            tok_s=f"{tok_s:.0f}",
+                            tf=f"{tf:.2f}",
+                        )
+                        log.event(
+                            "train",
+                            None,
+                            step=p.step,
+                            epoch=p.epoch,
+                            loss=loss.item(),
+                            lr=lr,
+                            tokens_per_s=round(tok_s, 1),
+                            teacher_forcing=tf,
+                        )
+                    if p.step % t.eval_every == 0 and validate():
+                        stop_reason, done = "early_stopping", True
+                    elif p.step >= t.max_steps:
+                        stop_reason, done = "max_steps", True
+                if signals.signum is not None:
+                    if p.last_validated != p.step:
+                        checkpoint_now(None)
+                    bar.close()
+                    name = signal.Signals(signals.signum).name
+                    log.event(
+                        "interrupted",
+                        f"{name} at step {p.step}: checkpoint saved; continue with --resume",
+                        step=p.step,
+                        signal=name,
+                    )
+                    log.close()
+                    raise TrainingInterrupted(signals.signum, p.step)
+                if done:
+                    break
+            if not done:
+                p.epoch += 1
+                p.batch_in_epoch = 0
     bar.close()
-    if last_validated != step:
-        validate(epoch)
-    if cfg.data.test is not None:
+    if p.last_validated != p.step:
+        validate()
+    if cfg.data.test is not None and (out / BEST_FILE).is_file():
         test_with_best(model, tokenizer, cfg, out, device, log)
-    elapsed = time.time() - start_time
     summary = {
-        "steps": step,
-        "epochs": epoch,
-        "best_dev_bleu": round(best_bleu, 2),
+        "steps": p.step,
+        "epochs": min(p.epoch, t.max_epochs),
+        "best_dev_bleu": round(p.best_bleu, 2),
         "stop_reason": stop_reason,
-        "skipped_nonfinite_steps": bad_steps,
-        "elapsed_s": round(elapsed, 1),
+        "skipped_nonfinite_steps": p.skipped_steps,
+        "elapsed_s": round(elapsed(), 1),
     }
     log.event(
         "done",
-        f"done: {step} steps, {epoch} epochs, stopped by {stop_reason}, best dev BLEU "
-        f"{best_bleu:.2f}, {elapsed / 60:.1f} min",
+        f"done: {p.step} steps, {summary['epochs']} epochs, stopped by {stop_reason}, best dev "
+        f"BLEU {p.best_bleu:.2f}, {elapsed() / 60:.1f} min",
         **summary,
     )
     log.close()
     return summary
+
+
+def build_checked_model(cfg: Config, tokenizer: Tokenizer, device: torch.device) -> Seq2Seq:
+    """Build the model after checking, on the meta device (no memory), that training it fits.
+
+    Training needs about 16 bytes per parameter (weights, gradients, two Adam moments); a
+    config asking for more than the device has fails here with one line, not an OOM kill.
+    """
+    sizes = (len(tokenizer.src), len(tokenizer.tgt), tokenizer.joint)
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in build_model(cfg.model, *sizes).parameters())
+    need = 16 * n_params
+    if device.type == "cuda":
+        have = torch.cuda.mem_get_info(device)[1]
+    else:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise ConfigError(
+            f"model: {cfg.model.arch} with hidden_size={cfg.model.hidden_size}, "
+            f"ff_size={cfg.model.ff_size}, layers={cfg.model.enc_layers}+{cfg.model.dec_layers} "
+            f"has {n_params:,} parameters, needing ~{need / 2**30:.1f} GiB to train; "
+            f"{device.type} memory is {have / 2**30:.1f} GiB"
+        )
+    return build_model(cfg.model, *sizes)

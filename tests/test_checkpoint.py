@@ -33,16 +33,23 @@ def test_atomic_write_failure_keeps_old_file(tmp_path: Path):
 
 def test_output_dir_rules(tmp_path: Path):
     out = tmp_path / "run"
-    prepare_output_dir(out, overwrite=False)  # new: created
+    prepare_output_dir(out, overwrite=False, resume=False)  # new: created
     (out / "config.yaml").write_text("x")
-    with pytest.raises(CheckpointError, match="not empty; pass --overwrite"):
-        prepare_output_dir(out, overwrite=False)
-    prepare_output_dir(out, overwrite=True)
+    (out / ".best.safetensors.abc.tmp").write_text("half-written")
+    with pytest.raises(CheckpointError, match=r"already holds a run.*--resume.*--overwrite"):
+        prepare_output_dir(out, overwrite=False, resume=False)
+    prepare_output_dir(out, overwrite=False, resume=True)  # kept, stale temp file removed
+    assert (out / "config.yaml").exists()
+    assert not (out / ".best.safetensors.abc.tmp").exists()
+    prepare_output_dir(out, overwrite=True, resume=False)
     assert not (out / "config.yaml").exists()
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(CheckpointError, match="not a directory"):
-        prepare_output_dir(blocker, overwrite=False)
+        prepare_output_dir(blocker, overwrite=False, resume=False)
+    # A directory that cannot be created fails at once, before any data is read.
+    with pytest.raises(CheckpointError, match="cannot write there"):
+        prepare_output_dir(blocker / "sub", overwrite=False, resume=False)
 
 
 def test_not_a_model_directory(tmp_path: Path):

@@ -1,0 +1,243 @@
+"""Training: exact resume, signals, kill -9, non-finite guards, safe loading."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import attnmt.train as train_mod
+from attnmt.checkpoint import latest_checkpoint, load_model_dir, load_train_state
+from attnmt.config import from_dict
+from attnmt.errors import CheckpointError, ConfigError, TrainingError
+from attnmt.evaluate import translate_lines
+from attnmt.train import train
+from attnmt.transformer import TransformerSeq2Seq
+
+from conftest import tiny_config, write_config
+
+
+def config(corpus, arch="transformer", **train_overrides):
+    raw = tiny_config(corpus, arch)
+    raw["model"]["dropout"] = 0.3
+    raw["train"]["teacher_forcing"] = {"schedule": "linear", "start": 0.9, "end": 0.5, "steps": 10}
+    raw["train"].update(train_overrides)
+    return raw
+
+
+def events(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("arch", ["transformer", "rnn"])
+def test_resume_is_byte_identical(tmp_path: Path, corpus, arch):
+    raw = config(corpus, arch, max_steps=12, eval_every=4, keep_last=2)
+    train(from_dict(raw), tmp_path / "full", quiet=True)
+    # Interrupted at step 4 (a run that ends there), resumed to step 12 (the max_steps change
+    # is allowed on resume).
+    raw_k = config(corpus, arch, max_steps=4, eval_every=4, keep_last=2)
+    train(from_dict(raw_k), tmp_path / "part", quiet=True)
+    summary = train(from_dict(raw), tmp_path / "part", resume=True, quiet=True)
+    assert summary["steps"] == 12
+    for name in ("last.safetensors", "best.safetensors"):
+        assert (tmp_path / "full" / name).read_bytes() == (tmp_path / "part" / name).read_bytes()
+    full = [e for e in events(tmp_path / "full") if e["event"] == "validation"]
+    part = [e for e in events(tmp_path / "part") if e["event"] == "validation"]
+    assert [(e["step"], e["dev_loss"]) for e in full] == [(e["step"], e["dev_loss"]) for e in part]
+    # keep_last=2, keep_best=1: at most 3 step checkpoints remain
+    files = sorted(p.name for p in (tmp_path / "part" / "checkpoints").glob("step-*.safetensors"))
+    assert 2 <= len(files) <= 3 and "step-00000012.safetensors" in files
+
+
+def test_resume_refuses_a_changed_model(tmp_path: Path, corpus):
+    raw = config(corpus, max_steps=4)
+    train(from_dict(raw), tmp_path / "m", quiet=True)
+    raw["model"]["hidden_size"] = 32
+    with pytest.raises(ConfigError, match=r"'model.hidden_size' = 32 differs from the run's 16"):
+        train(from_dict(raw), tmp_path / "m", resume=True, quiet=True)
+
+
+def test_nonfinite_steps_are_skipped_then_stop(tmp_path: Path, corpus, monkeypatch):
+    original = TransformerSeq2Seq.loss
+    calls = {"n": 0}
+
+    def flaky_loss(self, batch, *args, **kwargs):
+        calls["n"] += 1
+        loss, n = original(self, batch, *args, **kwargs)
+        return (loss * float("nan"), n) if calls["n"] in (3, 4) else (loss, n)
+
+    monkeypatch.setattr(TransformerSeq2Seq, "loss", flaky_loss)
+    summary = train(from_dict(config(corpus, max_steps=6)), tmp_path / "a", quiet=True)
+    assert summary["steps"] == 6 and summary["skipped_nonfinite_steps"] == 2
+    assert [e["in_a_row"] for e in events(tmp_path / "a") if e["event"] == "nonfinite"] == [1, 2]
+    _, _, model = load_model_dir(tmp_path / "a", "last.safetensors")
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+    def inf_loss(self, batch, *args, **kwargs):
+        loss, n = original(self, batch, *args, **kwargs)
+        return loss * float("inf"), n
+
+    monkeypatch.setattr(TransformerSeq2Seq, "loss", inf_loss)
+    with pytest.raises(TrainingError, match=r"3 steps in a row .*\(train\.max_bad_steps = 3\)"):
+        train(from_dict(config(corpus, max_steps=6, max_bad_steps=3)), tmp_path / "b", quiet=True)
+    assert not (tmp_path / "b" / "best.safetensors").exists()
+
+
+def test_nonfinite_dev_score_is_never_best(tmp_path: Path, corpus, monkeypatch):
+    monkeypatch.setattr(train_mod, "dev_loss", lambda *a, **k: float("nan"))
+    train(from_dict(config(corpus, max_steps=4)), tmp_path / "m", quiet=True)
+    assert not (tmp_path / "m" / "best.safetensors").exists()
+    assert (tmp_path / "m" / "last.safetensors").exists()
+
+
+class _Evil:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_crafted_pickle_is_refused_and_its_code_never_runs(tmp_path: Path, corpus, run_cli):
+    cfg = write_config(tmp_path / "c.yaml", config(corpus, max_steps=4))
+    out = tmp_path / "m"
+    assert run_cli("train", "-c", str(cfg), "--out", str(out), "-q").code == 0
+    _, state_path = latest_checkpoint(out)
+    marker = tmp_path / "pwned"
+    torch.save({"format_version": 1, "payload": _Evil(marker)}, state_path)
+    assert not marker.exists()
+    r = run_cli("train", "-c", str(cfg), "--out", str(out), "--resume", "-q")
+    assert r.code == 2
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert "refused to load" in r.stderr and "could run code" in r.stderr
+    assert not marker.exists()
+    with pytest.raises(CheckpointError, match="refused to load"):
+        load_train_state(state_path)
+    assert not marker.exists()
+
+
+def test_newer_state_format_is_refused(tmp_path: Path):
+    path = tmp_path / "s.pt"
+    torch.save({"format_version": 99}, path)
+    with pytest.raises(CheckpointError, match="format version 99 is newer"):
+        load_train_state(path)
+
+
+def test_existing_run_needs_resume_or_overwrite(tmp_path: Path, corpus, run_cli):
+    cfg = write_config(tmp_path / "c.yaml", config(corpus, max_steps=2))
+    out = str(tmp_path / "m")
+    assert run_cli("train", "-c", str(cfg), "--out", out, "-q").code == 0
+    r = run_cli("train", "-c", str(cfg), "--out", out, "-q")
+    assert r.code == 2 and "already holds a run" in r.stderr and "--resume" in r.stderr
+    r = run_cli("train", "-c", str(cfg), "--out", out, "-q", "--resume", "--overwrite")
+    assert r.code == 2 and "contradict" in r.stderr
+
+
+# --- subprocess tests: real signals and kill -9 ---
+
+
+def start_training(cfg: Path, out: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "attnmt", "train", "-c", str(cfg), "--out", str(out), "-q", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for(predicate, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def trained_steps(out: Path) -> int:
+    try:
+        lines = (out / "train_log.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    steps = [json.loads(x).get("step", 0) for x in lines if '"event": "train"' in x]
+    return max(steps, default=0)
+
+
+def test_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path: Path, corpus):
+    cfg = write_config(
+        tmp_path / "c.yaml", config(corpus, max_steps=100000, eval_every=100000, log_every=1)
+    )
+    out = tmp_path / "m"
+    proc = start_training(cfg, out)
+    wait_for(lambda: trained_steps(out) >= 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "SIGTERM at step" in err and "checkpoint saved" in err
+    step = json.loads((out / "checkpoints" / "latest.json").read_text())["step"]
+    assert step >= 3
+    proc = start_training(cfg, out, "--resume", "--set", f"train.max_steps={step + 2}")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert events(out)[-1]["steps"] == step + 2
+    # A second signal does not wait for the checkpoint: the process exits at once.
+    out2 = tmp_path / "m2"
+    proc = start_training(cfg, out2)
+    wait_for(lambda: trained_steps(out2) >= 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    # Both are pending at once; CPython runs the handlers in signal-number order, so the
+    # second one handled (whichever it is) ends the process without the checkpoint message.
+    assert proc.returncode in (128 + signal.SIGINT, 128 + signal.SIGTERM)
+    assert "checkpoint saved" not in err
+
+
+def test_kill_9_never_breaks_the_model_directory(tmp_path: Path, corpus):
+    """kill -9 at random moments (many inside a save): every time the directory still
+    translates and --resume still continues."""
+    cfg = write_config(
+        tmp_path / "c.yaml",
+        config(corpus, max_steps=100000, eval_every=1, log_every=1, keep_last=2),
+    )
+    out = tmp_path / "m"
+    rng = random.Random(0)
+    kills = mid_save = 0
+
+    def temp_files() -> list[Path]:
+        return [*out.glob(".*.tmp"), *(out / "checkpoints").glob(".*.tmp")]
+
+    while kills < 24:
+        proc = start_training(cfg, out, "--resume")
+        wait_for(lambda: (out / "checkpoints" / "latest.json").exists(), proc)
+        if kills % 2:
+            time.sleep(rng.uniform(0.0, 0.4))  # a random moment
+        else:
+            # The moment a save has begun: its temporary file exists, the rename has not run.
+            deadline = time.time() + 20
+            while not temp_files() and proc.poll() is None and time.time() < deadline:
+                pass
+        if proc.poll() is not None:
+            continue
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        kills += 1
+        mid_save += bool(temp_files())
+        _, state = latest_checkpoint(out)
+        assert load_train_state(state)["progress"]["step"] >= 1
+        _, tok, model = load_model_dir(out)  # best.safetensors: complete and loadable
+        assert len(translate_lines(model, tok, ["w1 w2", "", "w3"], 100, 1.0, 3)) == 3
+    assert mid_save >= 3, f"only {mid_save} of {kills} kills landed inside a save"
+    print(f"{kills} kills, {mid_save} left a save half-written")
+    before = load_train_state(latest_checkpoint(out)[1])["progress"]["step"]
+    proc = start_training(cfg, out, "--resume", "--set", f"train.max_steps={before + 2}")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert events(out)[-1]["steps"] == before + 2
