@@ -119,8 +119,8 @@ class TrainConfig(_Section):
 
 class DecodeConfig(_Section):
     beam: int = 1
-    max_len_a: float = Field(1.5, ge=0.0)
-    max_len_b: int = Field(10, ge=1)
+    max_len_a: float = Field(1.5, ge=0.0, le=10.0)
+    max_len_b: int = Field(10, ge=1, le=1000)
     batch_tokens: int = Field(8000, ge=1)
 
     @model_validator(mode="after")

@@ -24,10 +24,10 @@ def decode_lines(data: bytes, name: str) -> list[str]:
     Only '\\n' ends a line (a trailing '\\r' is dropped): str.splitlines would also split on
     U+2028, form feeds and the like, and shift every later line of one side of a corpus.
     """
+    if not data:
+        return []  # an empty file has no lines; b"\n" has one, empty
     if data.endswith(b"\n"):
         data = data[:-1]
-    if not data:
-        return []
     lines = []
     for i, raw in enumerate(data.split(b"\n"), start=1):
         if raw.endswith(b"\r"):

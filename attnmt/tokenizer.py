@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import sentencepiece as spm
 
-from attnmt.errors import CheckpointError
+from attnmt.errors import CheckpointError, ConfigError, DataError
 
 # Fixed ids so that the model, the batcher and both vocabularies agree without a lookup.
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -26,6 +27,28 @@ def train_sentencepiece(
     the largest vocabulary it supports instead of an error; one thread keeps it deterministic.
     """
     buf = io.BytesIO()
+    try:
+        _train(sentences, buf, vocab_size, model_type, character_coverage)
+    except RuntimeError as e:
+        message = str(e)
+        need = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", message)
+        if need:
+            raise ConfigError(
+                f"tokenizer.vocab_size = {vocab_size} is too small: the training text needs at "
+                f"least {need.group(2)} pieces for its characters and special tokens "
+                "(raise tokenizer.vocab_size or lower tokenizer.character_coverage)"
+            ) from None
+        raise DataError(f"SentencePiece training failed: {message.splitlines()[0]}") from None
+    return buf.getvalue()
+
+
+def _train(
+    sentences: Iterable[str],
+    buf: io.BytesIO,
+    vocab_size: int,
+    model_type: str,
+    character_coverage: float,
+) -> None:
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(sentences),
         model_writer=buf,
@@ -43,7 +66,6 @@ def train_sentencepiece(
         max_sentence_length=1 << 16,
         minloglevel=2,
     )
-    return buf.getvalue()
 
 
 class SubwordVocab:

@@ -73,3 +73,15 @@ def test_sampler_is_deterministic_covers_everything_and_reshuffles():
     real = sum(tgt)
     padded = sum(max(tgt[i] for i in b) * len(b) for b in e1)
     assert real / padded > 0.8
+
+
+def test_line_counting(tmp_path: Path):
+    for data, lines in [
+        (b"", []),
+        (b"\n", [""]),
+        (b"a", ["a"]),
+        (b"a\n", ["a"]),
+        (b"\n\n", ["", ""]),
+    ]:
+        (tmp_path / "f").write_bytes(data)
+        assert read_lines(tmp_path / "f") == lines, data
