@@ -92,31 +92,110 @@ def translate(
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="Output file (default: stdout).")
     ] = None,
+    beam: Annotated[
+        int | None,
+        typer.Option(
+            "--beam", "-b", min=1, max=100, help="Beam size; 1 = greedy (default: config)."
+        ),
+    ] = None,
+    n_best: Annotated[
+        int,
+        typer.Option(
+            "--n-best",
+            min=1,
+            help="Write the N best hypotheses per input: 'LINE ||| TEXT ||| SCORE'.",
+        ),
+    ] = 1,
+    length_penalty: Annotated[
+        float | None,
+        typer.Option(
+            "--length-penalty", min=0.0, help="GNMT length penalty alpha (default: config)."
+        ),
+    ] = None,
     batch_tokens: Annotated[
         int | None,
         typer.Option("--batch-tokens", min=1, help="Source tokens per batch (default: config)."),
+    ] = None,
+    attention: Annotated[
+        Path | None,
+        typer.Option(
+            "--attention", help="Write each sentence's attention (JSON + PNG) to this directory."
+        ),
+    ] = None,
+    attention_layer: Annotated[
+        int, typer.Option("--attention-layer", help="Transformer: decoder layer (-1 = top).")
+    ] = -1,
+    attention_head: Annotated[
+        int | None,
+        typer.Option(
+            "--attention-head", min=0, help="Transformer: one head (default: mean of heads)."
+        ),
     ] = None,
     weights: Annotated[
         str, typer.Option("--weights", help="Which checkpoint: best or last.")
     ] = "best",
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
 ) -> None:
-    """Translate text, one line in, one line out (greedy search)."""
+    """Translate text, one line in, one line out (beam search, or greedy with --beam 1)."""
+    from attnmt.evaluate import SearchOptions
+    from attnmt.evaluate import translate as run_translate
+    from attnmt.model import AttentionSpec
+
     lines = _read_input(input)
-    hyps = _translate(model, lines, batch_tokens, weights, device)
-    text = "".join(h + "\n" for h in hyps)
+    cfg, tokenizer, net, dev = _load(model, weights, device)
+    beam = cfg.decode.beam if beam is None else beam
+    if n_best > beam:
+        raise AttnmtError(f"--n-best {n_best} exceeds the beam size {beam}; raise --beam")
+    spec = None
+    if attention is not None:
+        layers, heads = cfg.model.dec_layers, cfg.model.heads
+        if cfg.model.arch == "transformer":
+            if not -layers <= attention_layer < layers:
+                raise AttnmtError(
+                    f"--attention-layer {attention_layer}: the decoder has {layers} layers"
+                )
+            if attention_head is not None and attention_head >= heads:
+                raise AttnmtError(f"--attention-head {attention_head}: the model has {heads} heads")
+        spec = AttentionSpec(attention_layer, attention_head)
+        try:
+            attention.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise AttnmtError(f"--attention {attention}: cannot create it ({e.strerror})") from None
+    options = SearchOptions(
+        beam=beam,
+        length_penalty=cfg.decode.length_penalty if length_penalty is None else length_penalty,
+        max_len_a=cfg.decode.max_len_a,
+        max_len_b=cfg.decode.max_len_b,
+        n_best=n_best,
+        attention=spec,
+    )
+    results = run_translate(
+        net, tokenizer, lines, options, batch_tokens or cfg.decode.batch_tokens, None, dev
+    )
+    if n_best == 1:
+        text = "".join(r[0].text + "\n" for r in results)
+    else:
+        text = "".join(
+            f"{i} ||| {t.text} ||| {t.score:.4f}\n" for i, r in enumerate(results) for t in r
+        )
     if output is None:
         sys.stdout.write(text)
         sys.stdout.flush()
     else:
         output.write_text(text, encoding="utf-8")
+    if attention is not None:
+        from attnmt.heatmap import write_attention_map
+
+        what = "Bahdanau attention" if cfg.model.arch == "rnn" else (
+            f"cross-attention, layer {attention_layer}, "
+            + ("mean of heads" if attention_head is None else f"head {attention_head}")
+        )  # fmt: skip
+        for i, r in enumerate(results):
+            write_attention_map(attention, i, r[0], f"line {i}: {what}")
 
 
-def _translate(
-    model_dir: Path, lines: list[str], batch_tokens: int | None, weights: str, device: str
-) -> list[str]:
+def _load(model_dir: Path, weights: str, device: str) -> tuple:
     from attnmt.checkpoint import BEST_FILE, LAST_FILE, load_model_dir
-    from attnmt.evaluate import translate_lines
     from attnmt.train import resolve_device
 
     if weights not in ("best", "last"):
@@ -127,15 +206,7 @@ def _translate(
     cfg, tokenizer, net = load_model_dir(
         model_dir, BEST_FILE if weights == "best" else LAST_FILE, dev
     )
-    return translate_lines(
-        net,
-        tokenizer,
-        lines,
-        batch_tokens or cfg.decode.batch_tokens,
-        cfg.decode.max_len_a,
-        cfg.decode.max_len_b,
-        dev,
-    )
+    return cfg, tokenizer, net, dev
 
 
 @app.command("eval")
@@ -154,6 +225,12 @@ def evaluate(
         Path | None, typer.Option("--output", "-o", help="Also write the translations here.")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    beam: Annotated[
+        int | None,
+        typer.Option(
+            "--beam", "-b", min=1, max=100, help="Beam size with --model (default: config)."
+        ),
+    ] = None,
     weights: Annotated[str, typer.Option("--weights", help="best or last.")] = "best",
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
 ) -> None:
@@ -176,7 +253,11 @@ def evaluate(
             raise DataError(
                 f"line counts differ: {src} has {len(sources)} lines, {ref} has {len(refs)}"
             )
-        hyps = _translate(model, sources, None, weights, device)
+        from attnmt.evaluate import search_options, translate_lines
+
+        cfg, tokenizer, net, dev = _load(model, weights, device)
+        options = search_options(cfg.decode, beam)
+        hyps = translate_lines(net, tokenizer, sources, options, cfg.decode.batch_tokens, dev)
         name = str(src)
         if output is not None:
             output.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")

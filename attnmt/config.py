@@ -103,6 +103,7 @@ class TrainConfig(_Section):
     threads: int = Field(0, ge=0, le=1024)
     eval_every: int = Field(1000, ge=1)
     eval_batch_tokens: int = Field(8000, ge=1)
+    eval_beam: int = Field(1, ge=1, le=100)
     patience: int = Field(10, ge=1)
     log_every: int = Field(100, ge=1)
     keep_best: int = Field(1, ge=1, le=1000)
@@ -118,18 +119,11 @@ class TrainConfig(_Section):
 
 
 class DecodeConfig(_Section):
-    beam: int = 1
+    beam: int = Field(5, ge=1, le=100)
+    length_penalty: float = Field(1.0, ge=0.0, le=10.0)
     max_len_a: float = Field(1.5, ge=0.0, le=10.0)
     max_len_b: int = Field(10, ge=1, le=1000)
     batch_tokens: int = Field(8000, ge=1)
-
-    @model_validator(mode="after")
-    def _greedy_only(self) -> DecodeConfig:
-        if self.beam != 1:
-            raise ValueError(
-                f"decode.beam = {self.beam}: only 1 (greedy search) is available in this version"
-            )
-        return self
 
 
 class Config(_Section):

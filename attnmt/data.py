@@ -141,9 +141,13 @@ def collate(
 
 
 def token_batches(
-    lengths: Sequence[int], batch_tokens: int, order: Sequence[int]
+    lengths: Sequence[int],
+    batch_tokens: int,
+    order: Sequence[int],
+    max_sentences: int | None = None,
 ) -> list[list[int]]:
-    """Cut `order` into consecutive batches whose padded size (rows × longest) fits batch_tokens.
+    """Cut `order` into consecutive batches whose padded size (rows × longest) fits batch_tokens
+    (and, if given, at most max_sentences rows).
 
     A single sentence longer than batch_tokens still gets a batch of its own.
     """
@@ -152,7 +156,8 @@ def token_batches(
     longest = 0
     for i in order:
         n = lengths[i]
-        if cur and max(longest, n) * (len(cur) + 1) > batch_tokens:
+        full = max_sentences is not None and len(cur) >= max_sentences
+        if cur and (full or max(longest, n) * (len(cur) + 1) > batch_tokens):
             batches.append(cur)
             cur, longest = [], 0
         cur.append(i)
@@ -202,7 +207,9 @@ class BucketSampler:
         return [batches[i] for i in shuffle]
 
 
-def sorted_batches(lengths: Sequence[int], batch_tokens: int) -> Iterator[list[int]]:
+def sorted_batches(
+    lengths: Sequence[int], batch_tokens: int, max_sentences: int | None = None
+) -> Iterator[list[int]]:
     """Batches for inference: sentences sorted by length (longest first), no shuffling."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    yield from token_batches(lengths, batch_tokens, order)
+    yield from token_batches(lengths, batch_tokens, order, max_sentences)

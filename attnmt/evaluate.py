@@ -3,45 +3,114 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import sacrebleu
 import torch
 
+from attnmt.config import DecodeConfig
 from attnmt.data import pad_sequences, sorted_batches
-from attnmt.model import Seq2Seq
-from attnmt.search import greedy_search
+from attnmt.model import AttentionSpec, Seq2Seq
+from attnmt.search import beam_search, greedy_search
 from attnmt.tokenizer import EOS_ID, PAD_ID, Tokenizer
 
 
+@dataclass
+class Translation:
+    text: str
+    score: float
+    src_pieces: list[str]  # source subwords (EOS included), the attention's columns
+    tgt_pieces: list[str]  # output subwords (and EOS if it ended so), the attention's rows
+    attention: torch.Tensor | None  # (len(tgt_pieces), len(src_pieces)) when asked for
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """How translate() searches; mirrors the decode section of the config."""
+
+    beam: int = 1
+    length_penalty: float = 1.0
+    max_len_a: float = 1.5
+    max_len_b: int = 10
+    n_best: int = 1
+    attention: AttentionSpec | None = None
+
+
 @torch.no_grad()
+def translate(
+    model: Seq2Seq,
+    tokenizer: Tokenizer,
+    lines: Sequence[str],
+    options: SearchOptions,
+    batch_tokens: int,
+    batch_sentences: int | None = None,
+    device: torch.device | str = "cpu",
+) -> list[list[Translation]]:
+    """Translate each line: options.n_best translations per input, in input order.
+
+    Sentences are batched by length (longest first, at most batch_tokens source tokens and
+    batch_sentences sentences per batch) and put back in order; an empty or whitespace-only
+    line gives empty translations without touching the model. Beam 1 is greedy search.
+    """
+    was_training = model.training
+    model.eval()
+    empty = Translation("", 0.0, [], [], None)
+    outputs: list[list[Translation]] = [[empty] * options.n_best for _ in lines]
+    todo = [i for i, line in enumerate(lines) if line.strip()]
+    src = [[*s, EOS_ID] for s in tokenizer.src.encode([lines[i].strip() for i in todo])]
+    for batch in sorted_batches([len(s) for s in src], batch_tokens, batch_sentences):
+        tokens = pad_sequences([src[j] for j in batch], PAD_ID).to(device)  # (B, S)
+        pad_mask = tokens == PAD_ID  # (B, S)
+        if options.beam == 1:
+            found = [
+                [h]
+                for h in greedy_search(
+                    model, tokens, pad_mask, options.max_len_a, options.max_len_b,
+                    options.attention,
+                )
+            ]  # fmt: skip
+        else:
+            found = beam_search(
+                model, tokens, pad_mask, options.beam, options.length_penalty,
+                options.max_len_a, options.max_len_b, options.n_best, options.attention,
+            )  # fmt: skip
+        for j, hyps in zip(batch, found, strict=True):
+            src_pieces = tokenizer.src.pieces(src[j])
+            outputs[todo[j]] = [
+                Translation(
+                    tokenizer.tgt.decode(h.tokens),
+                    h.score,
+                    src_pieces,
+                    tokenizer.tgt.pieces(h.tokens) + (["</s>"] if h.ended else []),
+                    None if h.attention is None else h.attention[:, : len(src_pieces)].cpu(),
+                )
+                for h in hyps
+            ]
+    model.train(was_training)
+    return outputs
+
+
 def translate_lines(
     model: Seq2Seq,
     tokenizer: Tokenizer,
     lines: Sequence[str],
+    options: SearchOptions,
     batch_tokens: int,
-    max_len_a: float,
-    max_len_b: int,
     device: torch.device | str = "cpu",
 ) -> list[str]:
-    """Translate each line; exactly one output per input, in input order.
+    """The best translation of each line as text; exactly one output per input, in order."""
+    n1 = replace(options, n_best=1, attention=None)
+    return [t[0].text for t in translate(model, tokenizer, lines, n1, batch_tokens, None, device)]
 
-    Sentences are batched by length (longest first) and put back in order afterwards; an
-    empty or whitespace-only line gives an empty output line without touching the model.
-    """
-    was_training = model.training
-    model.eval()
-    outputs = [""] * len(lines)
-    todo = [i for i, line in enumerate(lines) if line.strip()]
-    ids = tokenizer.src.encode([lines[i].strip() for i in todo])
-    src = [[*s, EOS_ID] for s in ids]
-    for batch in sorted_batches([len(s) for s in src], batch_tokens):
-        tokens = pad_sequences([src[j] for j in batch], PAD_ID).to(device)  # (B, S)
-        hyps = greedy_search(model, tokens, tokens == PAD_ID, max_len_a, max_len_b)
-        for j, hyp in zip(batch, hyps, strict=True):
-            outputs[todo[j]] = tokenizer.tgt.decode(hyp)
-    model.train(was_training)
-    return outputs
+
+def search_options(cfg: DecodeConfig, beam: int | None = None) -> SearchOptions:
+    """SearchOptions from a config's decode section (beam overridable, e.g. train.eval_beam)."""
+    return SearchOptions(
+        beam=cfg.beam if beam is None else beam,
+        length_penalty=cfg.length_penalty,
+        max_len_a=cfg.max_len_a,
+        max_len_b=cfg.max_len_b,
+    )
 
 
 @dataclass

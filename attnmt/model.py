@@ -5,11 +5,13 @@ A model is used through four explicit methods:
     state = model.init_state(memory)
     logits, state, attn = model.decode_step(memory, state, prev_tokens)   # one target position
     loss_sum, n_tokens = model.loss(batch, tf_ratio, label_smoothing, generator)
-and `select` to keep a subset (or repeat rows) of a batch's memory and state, which search uses.
+and `select_memory` / `select_state` to keep a subset of rows (or repeat them), which search
+uses: beams of one sentence share its memory, so reordering beams touches only the state.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,6 +21,17 @@ from torch import nn
 from attnmt.config import ModelConfig
 from attnmt.data import Batch
 from attnmt.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Which attention weights decode_step should return (rnn: its only attention).
+
+    layer: decoder layer, negative counts from the top; head: one head, or None for the mean.
+    """
+
+    layer: int = -1
+    head: int | None = None
 
 
 class Seq2Seq(nn.Module):
@@ -37,13 +50,22 @@ class Seq2Seq(nn.Module):
         raise NotImplementedError
 
     def decode_step(
-        self, memory: Any, state: Any, prev_tokens: torch.Tensor
-    ) -> tuple[torch.Tensor, Any, torch.Tensor]:
-        """Advance one position: prev_tokens (B,) -> logits (B, V), new state, attention (B, S)."""
+        self,
+        memory: Any,
+        state: Any,
+        prev_tokens: torch.Tensor,
+        attention: AttentionSpec | None = None,
+    ) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
+        """Advance one position: prev_tokens (B,) -> logits (B, V), new state, and the source
+        attention (B, S) chosen by `attention` (None when not asked for)."""
         raise NotImplementedError
 
-    def select(self, memory: Any, state: Any, index: torch.Tensor) -> tuple[Any, Any]:
-        """Keep rows `index` (B',) of memory and state (to drop finished rows or expand beams)."""
+    def select_memory(self, memory: Any, index: torch.Tensor) -> Any:
+        """Keep rows `index` (B',) of the memory (drop finished sentences, expand to beams)."""
+        raise NotImplementedError
+
+    def select_state(self, state: Any, index: torch.Tensor) -> Any:
+        """Keep rows `index` (B',) of the decoder state (reorder beams, drop finished rows)."""
         raise NotImplementedError
 
     def loss(

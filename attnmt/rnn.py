@@ -18,7 +18,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from attnmt.attention import AdditiveAttention, DotAttention
 from attnmt.config import ModelConfig
 from attnmt.data import Batch
-from attnmt.model import Seq2Seq, gold_coins, sequence_loss
+from attnmt.model import AttentionSpec, Seq2Seq, gold_coins, sequence_loss
 
 
 @dataclass
@@ -125,22 +125,26 @@ class RNNSeq2Seq(Seq2Seq):
         return self.dropout(pre), hidden, weights  # (B, E), (L, B, D), (B, S)
 
     def decode_step(
-        self, memory: RNNMemory, state: torch.Tensor, prev_tokens: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self,
+        memory: RNNMemory,
+        state: torch.Tensor,
+        prev_tokens: torch.Tensor,
+        attention: AttentionSpec | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         emb = self.dropout(self.tgt_embed(prev_tokens))  # (B, E)
         pre, state, weights = self._step(memory, state, emb)
-        return self.output(pre), state, weights  # (B, V)
+        return self.output(pre), state, weights if attention is not None else None  # (B, V)
 
-    def select(
-        self, memory: RNNMemory, state: torch.Tensor, index: torch.Tensor
-    ) -> tuple[RNNMemory, torch.Tensor]:
-        m = RNNMemory(
+    def select_memory(self, memory: RNNMemory, index: torch.Tensor) -> RNNMemory:
+        return RNNMemory(
             memory.enc_out.index_select(0, index),
             memory.proj_keys.index_select(0, index),
             memory.pad_mask.index_select(0, index),
             memory.final.index_select(0, index),
         )
-        return m, state.index_select(1, index)
+
+    def select_state(self, state: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return state.index_select(1, index)  # (L, B', D)
 
     def loss(
         self,

@@ -1,10 +1,25 @@
-"""Greedy search over any model with the seq2seq interface (encode, init_state, decode_step)."""
+"""Greedy and batched beam search over any model with the seq2seq interface.
+
+Both decode a whole batch at once and drop finished sentences from the active set, so a step
+costs in proportion to the sentences still being decoded. Beam search advances every beam of
+every sentence as one (sentences × beam) tensor.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from attnmt.model import Seq2Seq
+from attnmt.model import AttentionSpec, Seq2Seq
+
+
+@dataclass
+class Hypothesis:
+    tokens: list[int]  # output ids, without BOS and EOS
+    score: float  # log-probability, divided by the length penalty in beam search
+    ended: bool  # True if it ended with EOS, False if the length limit cut it
+    attention: torch.Tensor | None = None  # (steps, S): one row per token, EOS included
 
 
 def max_output_lengths(src_pad_mask: torch.Tensor, a: float, b: int) -> torch.Tensor:
@@ -13,39 +28,184 @@ def max_output_lengths(src_pad_mask: torch.Tensor, a: float, b: int) -> torch.Te
     return (a * src_len.float()).floor().long() + b
 
 
+def length_penalty(length: int | torch.Tensor, alpha: float) -> float | torch.Tensor:
+    """GNMT length penalty ((5 + length) / 6) ** alpha (Wu et al. 2016,
+    https://arxiv.org/abs/1609.08144, eq. 14); alpha = 0 scores by raw log-probability."""
+    return ((5 + length) / 6) ** alpha
+
+
 @torch.no_grad()
 def greedy_search(
-    model: Seq2Seq, src: torch.Tensor, src_pad_mask: torch.Tensor, max_len_a: float, max_len_b: int
-) -> list[list[int]]:
-    """Decode a batch by taking the argmax at every step.
-
-    Sentences that have produced EOS (or reached their length limit) leave the active set, so
-    the cost of a step follows the number of unfinished sentences.
+    model: Seq2Seq,
+    src: torch.Tensor,
+    src_pad_mask: torch.Tensor,
+    max_len_a: float,
+    max_len_b: int,
+    attention: AttentionSpec | None = None,
+) -> list[Hypothesis]:
+    """Take the argmax at every step.
 
     Args:
         src: (B, S) source ids; src_pad_mask: (B, S) bool, True at padding.
+        attention: return each hypothesis's source attention per step (slower).
     Returns:
-        For each sentence, its output ids without BOS/EOS.
+        One hypothesis per sentence; score = summed log-probability.
     """
-    B = src.size(0)
+    B, device = src.size(0), src.device
     limits = max_output_lengths(src_pad_mask, max_len_a, max_len_b)  # (B,)
     memory = model.encode(src, src_pad_mask)
     state = model.init_state(memory)
-    prev = torch.full((B,), model.bos_id, dtype=torch.long, device=src.device)  # (B,)
-    active = torch.arange(B, device=src.device)  # rows of the original batch still decoding
-    outputs: list[list[int]] = [[] for _ in range(B)]
+    prev = torch.full((B,), model.bos_id, dtype=torch.long, device=device)  # (B,)
+    active = torch.arange(B, device=device)  # rows of the original batch still decoding
+    steps: list[torch.Tensor] = []  # per step: (B,) token, PAD once finished
+    scores = torch.zeros(B, device=device)
+    attn_steps: list[torch.Tensor] = []  # per step: (B, S)
     for t in range(int(limits.max())):
-        logits, state, _ = model.decode_step(memory, state, prev)  # (B_active, V)
-        nxt = logits.argmax(dim=-1)  # (B_active,)
-        for row, tok in zip(active.tolist(), nxt.tolist(), strict=True):
-            if tok != model.eos_id:
-                outputs[row].append(tok)
-        done = (nxt == model.eos_id) | (limits[active] <= t + 1)  # (B_active,)
+        logits, state, attn = model.decode_step(memory, state, prev, attention)  # (B_a, V)
+        logp = torch.log_softmax(logits.float(), dim=-1)  # (B_a, V)
+        nxt = logits.argmax(dim=-1)  # (B_a,)
+        scores[active] += logp.gather(1, nxt[:, None]).squeeze(1)
+        full = torch.full((B,), model.pad_id, dtype=torch.long, device=device)
+        full[active] = nxt
+        steps.append(full)
+        if attn is not None:
+            a = torch.zeros(B, src.size(1), device=device)
+            a[active] = attn.float()
+            attn_steps.append(a)
+        done = (nxt == model.eos_id) | (limits[active] <= t + 1)  # (B_a,)
         if bool(done.all()):
             break
         if bool(done.any()):
-            keep = (~done).nonzero().squeeze(1)  # (B_active',)
-            memory, state = model.select(memory, state, keep)
+            keep = (~done).nonzero().squeeze(1)  # (B_a',)
+            memory = model.select_memory(memory, keep)
+            state = model.select_state(state, keep)
             active, nxt = active[keep], nxt[keep]
         prev = nxt
-    return outputs
+    out = torch.stack(steps, dim=1).tolist()  # (B, T)
+    hyps = []
+    for i, row in enumerate(out):
+        n = next((j for j, tok in enumerate(row) if tok in (model.eos_id, model.pad_id)), len(row))
+        ended = n < len(row) and row[n] == model.eos_id
+        a = torch.stack([s[i] for s in attn_steps[: n + int(ended)]]) if attn_steps else None
+        hyps.append(Hypothesis(row[:n], float(scores[i]), ended, a))
+    return hyps
+
+
+@torch.no_grad()
+def beam_search(
+    model: Seq2Seq,
+    src: torch.Tensor,
+    src_pad_mask: torch.Tensor,
+    beam: int,
+    alpha: float,
+    max_len_a: float,
+    max_len_b: int,
+    n_best: int = 1,
+    attention: AttentionSpec | None = None,
+) -> list[list[Hypothesis]]:
+    """Batched beam search: all sentences and all their beams advance as one tensor.
+
+    At each step every live beam is extended by every token; of the 2K best candidates of a
+    sentence, those ending in EOS that rank within the top K are finished, and the K best
+    others continue. A sentence is done once it has K finished hypotheses (or reaches its
+    length limit, when its live beams are finished as they are); it then leaves the batch.
+    Finished hypotheses are ranked by log-probability / length_penalty(length, alpha), with
+    length counting EOS.
+
+    Returns:
+        For each sentence, its n_best hypotheses, best first.
+    """
+    assert 1 <= n_best <= beam
+    B, device, K = src.size(0), src.device, beam
+    limits = max_output_lengths(src_pad_mask, max_len_a, max_len_b)  # (B,)
+    memory = model.encode(src, src_pad_mask)
+    memory = model.select_memory(memory, torch.arange(B, device=device).repeat_interleave(K))
+    state = model.init_state(memory)  # rows: sentence-major, (B * K)
+    # Only the first beam starts alive, so the first step does not pick K copies of one token.
+    scores = torch.full((B, K), float("-inf"), device=device)  # (B_a, K) summed log-probs
+    scores[:, 0] = 0.0
+    tokens = torch.full((B * K, 0), model.pad_id, dtype=torch.long, device=device)  # (B_a*K, t)
+    attn_hist: torch.Tensor | None = None  # (B_a*K, t, S)
+    prev = torch.full((B * K,), model.bos_id, dtype=torch.long, device=device)
+    active = list(range(B))  # original sentence index of each active row block
+    finished: list[list[Hypothesis]] = [[] for _ in range(B)]
+    for t in range(int(limits.max())):
+        n = len(active)
+        logits, state, attn = model.decode_step(memory, state, prev, attention)  # (n*K, V)
+        V = logits.size(-1)
+        logp = torch.log_softmax(logits.float(), dim=-1).view(n, K, V)  # (n, K, V)
+        cand = (scores.unsqueeze(-1) + logp).view(n, K * V)  # (n, K*V)
+        top_scores, top_idx = cand.topk(2 * K, dim=1)  # (n, 2K)
+        top_beam = torch.div(top_idx, V, rounding_mode="floor")  # (n, 2K)
+        top_tok = top_idx % V  # (n, 2K)
+        if attn is not None:
+            a = attn.float().unsqueeze(1)  # (n*K, 1, S)
+            attn_hist = a if attn_hist is None else torch.cat([attn_hist, a], dim=1)
+        # 1. EOS among each sentence's top K candidates finishes a hypothesis.
+        is_eos = top_tok == model.eos_id  # (n, 2K)
+        finish = is_eos.clone()
+        finish[:, K:] = False
+        for r, c in finish.nonzero().tolist():
+            row = r * K + int(top_beam[r, c])
+            sent = finished[active[r]]
+            if len(sent) < K:
+                sent.append(
+                    _hypothesis(
+                        tokens[row],
+                        float(top_scores[r, c]),
+                        t + 1,
+                        alpha,
+                        True,
+                        attn_hist[row] if attn_hist is not None else None,
+                    )
+                )
+        # 2. The K best candidates that are not EOS continue.
+        cont_scores = top_scores.masked_fill(is_eos, float("-inf"))  # (n, 2K)
+        new_scores, pick = cont_scores.topk(K, dim=1)  # (n, K)
+        new_beam = top_beam.gather(1, pick)  # (n, K)
+        new_tok = top_tok.gather(1, pick)  # (n, K)
+        rows = (torch.arange(n, device=device).unsqueeze(1) * K + new_beam).view(-1)  # (n*K,)
+        tokens = torch.cat([tokens[rows], new_tok.view(-1, 1)], dim=1)  # (n*K, t+1)
+        if attn_hist is not None:
+            attn_hist = attn_hist[rows]
+        # 3. Sentences at their length limit finish their live beams as they are.
+        at_limit = (limits[active] <= t + 1).tolist()
+        for r in range(n):
+            if at_limit[r] and len(finished[active[r]]) < K:
+                for j in range(K):
+                    if len(finished[active[r]]) >= K:
+                        break
+                    row = r * K + j
+                    finished[active[r]].append(_hypothesis(
+                        tokens[row], float(new_scores[r, j]), t + 1, alpha, False,
+                        attn_hist[row] if attn_hist is not None else None))  # fmt: skip
+        # 4. Done sentences leave; the others go on with their reordered beams.
+        keep = [r for r in range(n) if len(finished[active[r]]) < K]
+        if not keep:
+            break
+        state = model.select_state(state, rows)
+        scores = new_scores
+        prev = new_tok.view(-1)
+        if len(keep) < n:
+            keep_t = torch.tensor(keep, device=device)
+            keep_rows = (keep_t.unsqueeze(1) * K + torch.arange(K, device=device)).view(-1)
+            memory = model.select_memory(memory, keep_rows)
+            state = model.select_state(state, keep_rows)
+            scores, prev, tokens = scores[keep_t], prev[keep_rows], tokens[keep_rows]
+            if attn_hist is not None:
+                attn_hist = attn_hist[keep_rows]
+            active = [active[r] for r in keep]
+    return [sorted(h, key=lambda x: -x.score)[:n_best] for h in finished]
+
+
+def _hypothesis(
+    tokens: torch.Tensor,
+    logprob: float,
+    length: int,
+    alpha: float,
+    ended: bool,
+    attn: torch.Tensor | None,
+) -> Hypothesis:
+    """A finished hypothesis; `length` counts its steps (output tokens, plus EOS if ended)."""
+    ids = [int(x) for x in tokens.tolist()]
+    return Hypothesis(ids, logprob / float(length_penalty(length, alpha)), ended, attn)

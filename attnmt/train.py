@@ -54,7 +54,7 @@ from attnmt.errors import (
     TrainingError,
     TrainingInterrupted,
 )
-from attnmt.evaluate import score, translate_lines
+from attnmt.evaluate import score, search_options, translate_lines
 from attnmt.model import Seq2Seq, build_model
 from attnmt.schedules import inverse_sqrt_lr, teacher_forcing_ratio, warmup_lr
 from attnmt.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
@@ -230,20 +230,16 @@ def test_with_best(
     test_text = read_parallel(cfg.data.test.src, cfg.data.test.tgt)
     load_weights(model, out / BEST_FILE, device)
     hyps = translate_lines(
-        model,
-        tokenizer,
-        test_text.src,
-        cfg.train.eval_batch_tokens,
-        cfg.decode.max_len_a,
-        cfg.decode.max_len_b,
+        model, tokenizer, test_text.src, search_options(cfg.decode), cfg.train.eval_batch_tokens,
         device,
-    )
+    )  # fmt: skip
     s = score(hyps, test_text.tgt)
     log.event(
         "test",
-        f"test ({cfg.data.test.src.name}, best weights): BLEU {s.bleu:.2f} | chrF {s.chrf:.2f} | "
-        f"{s.bleu_signature}",
+        f"test ({cfg.data.test.src.name}, best weights, beam {cfg.decode.beam}): "
+        f"BLEU {s.bleu:.2f} | chrF {s.chrf:.2f} | {s.bleu_signature}",
         pairs=len(test_text.src),
+        beam=cfg.decode.beam,
         skipped_empty=test_text.skipped_empty,
         **s.as_dict(),
     )
@@ -391,14 +387,9 @@ def train(
         p.last_validated = p.step
         loss = dev_loss(model, dev_data, t.eval_batch_tokens, device)
         hyps = translate_lines(
-            model,
-            tokenizer,
-            dev_text.src,
-            t.eval_batch_tokens,
-            cfg.decode.max_len_a,
-            cfg.decode.max_len_b,
-            device,
-        )
+            model, tokenizer, dev_text.src, search_options(cfg.decode, t.eval_beam),
+            t.eval_batch_tokens, device,
+        )  # fmt: skip
         bleu = score(hyps, dev_text.tgt).bleu
         finite = math.isfinite(loss) and all_finite(model)
         improved = finite and bleu > p.best_bleu

@@ -17,7 +17,7 @@ from torch import nn
 from attnmt.attention import MultiHeadAttention, additive_mask
 from attnmt.config import ModelConfig
 from attnmt.data import Batch
-from attnmt.model import Seq2Seq, gold_coins, sequence_loss
+from attnmt.model import AttentionSpec, Seq2Seq, gold_coins, sequence_loss
 
 
 def sinusoid_table(length: int, dim: int, offset: int = 0) -> torch.Tensor:
@@ -105,8 +105,6 @@ class EncoderLayer(nn.Module):
 class LayerCache:
     self_k: torch.Tensor  # (B, h, t, d_h) keys of the positions decoded so far
     self_v: torch.Tensor  # (B, h, t, d_h)
-    cross_k: torch.Tensor  # (B, h, S, d_h) encoder output projected once per sentence
-    cross_v: torch.Tensor  # (B, h, S, d_h)
 
 
 class DecoderLayer(nn.Module):
@@ -140,9 +138,16 @@ class DecoderLayer(nn.Module):
         return self.res_ff.add(x, self.ff(self.res_ff.normed_input(x))), weights
 
     def step(
-        self, x: torch.Tensor, cache: LayerCache, src_mask: torch.Tensor
-    ) -> tuple[torch.Tensor, LayerCache, torch.Tensor]:
-        """One new position: x (B, 1, d) -> (B, 1, d), the grown cache, cross weights (B, 1, S)."""
+        self,
+        x: torch.Tensor,
+        cache: LayerCache,
+        cross_k: torch.Tensor,
+        cross_v: torch.Tensor,
+        src_mask: torch.Tensor,
+        need_weights: bool = False,
+    ) -> tuple[torch.Tensor, LayerCache, torch.Tensor | None]:
+        """One new position: x (B, 1, d) -> (B, 1, d), the grown cache, and (if asked) the
+        per-head cross-attention weights (B, h, 1, S)."""
         h = self.res_self.normed_input(x)
         k_new, v_new = self.self_attn.project_kv(h, h)  # (B, h, 1, d_h)
         k = torch.cat([cache.self_k, k_new], dim=2)  # (B, h, t+1, d_h)
@@ -151,18 +156,20 @@ class DecoderLayer(nn.Module):
         x = self.res_self.add(x, self.self_attn.attend(h, k, v)[0])
         h = self.res_cross.normed_input(x)
         out, weights = self.cross_attn.attend(
-            h, cache.cross_k, cache.cross_v, src_mask, need_weights=True
-        )  # (B, 1, d), (B, 1, S)
+            h, cross_k, cross_v, src_mask, need_weights=need_weights, average_attn_weights=False
+        )  # (B, 1, d), (B, h, 1, S)
         x = self.res_cross.add(x, out)
         x = self.res_ff.add(x, self.ff(self.res_ff.normed_input(x)))
-        assert weights is not None
-        return x, LayerCache(k, v, cache.cross_k, cache.cross_v), weights
+        return x, LayerCache(k, v), weights
 
 
 @dataclass
 class TransformerMemory:
     enc_out: torch.Tensor  # (B, S, d)
     src_mask: torch.Tensor  # (B, 1, 1, S) additive float mask, -inf at padding
+    # Per decoder layer, the encoder output projected into cross-attention keys and values,
+    # (B, h, S, d_h) each: computed once per sentence, used by every decoding step.
+    cross: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -213,7 +220,9 @@ class TransformerSeq2Seq(Seq2Seq):
         assert mask is not None
         for layer in self.encoder_layers:
             x = layer(x, mask)
-        return TransformerMemory(self.enc_norm(x), mask)
+        x = self.enc_norm(x)
+        cross = [layer.cross_attn.project_kv(x, x) for layer in self.decoder_layers]
+        return TransformerMemory(x, mask, cross)
 
     def decode_all(
         self, memory: TransformerMemory, tgt_in: torch.Tensor, need_weights: bool = False
@@ -221,46 +230,51 @@ class TransformerSeq2Seq(Seq2Seq):
         """Logits for every position of tgt_in (B, T) at once: (B, T, V), last cross weights."""
         x = self.tgt_embed(tgt_in)  # (B, T, d)
         weights = None
-        for layer in self.decoder_layers:
-            k, v = layer.cross_attn.project_kv(memory.enc_out, memory.enc_out)  # (B, h, S, d_h)
+        for layer, (k, v) in zip(self.decoder_layers, memory.cross, strict=True):
             x, weights = layer(x, k, v, memory.src_mask, need_weights=need_weights)
         return self.output(self.dec_norm(x)), weights  # (B, T, V)
 
     def init_state(self, memory: TransformerMemory) -> TransformerState:
-        B = memory.enc_out.size(0)
-        caches = []
-        for layer in self.decoder_layers:
-            ck, cv = layer.cross_attn.project_kv(memory.enc_out, memory.enc_out)  # (B, h, S, d_h)
-            empty = ck.new_zeros(B, ck.size(1), 0, ck.size(3))  # (B, h, 0, d_h)
-            caches.append(LayerCache(empty, empty, ck, cv))
-        return TransformerState(caches, 0)
+        k = memory.cross[0][0]
+        empty = k.new_zeros(k.size(0), k.size(1), 0, k.size(3))  # (B, h, 0, d_h)
+        return TransformerState([LayerCache(empty, empty) for _ in self.decoder_layers], 0)
 
     def decode_step(
-        self, memory: TransformerMemory, state: TransformerState, prev_tokens: torch.Tensor
-    ) -> tuple[torch.Tensor, TransformerState, torch.Tensor]:
+        self,
+        memory: TransformerMemory,
+        state: TransformerState,
+        prev_tokens: torch.Tensor,
+        attention: AttentionSpec | None = None,
+    ) -> tuple[torch.Tensor, TransformerState, torch.Tensor | None]:
         x = self.tgt_embed(prev_tokens.unsqueeze(1), offset=state.position)  # (B, 1, d)
-        caches = []
-        weights = None
-        for layer, cache in zip(self.decoder_layers, state.caches, strict=True):
-            x, cache, weights = layer.step(x, cache, memory.src_mask)
+        n_layers = len(self.decoder_layers)
+        want = attention.layer % n_layers if attention is not None else -1
+        caches, attn = [], None
+        for i, (layer, cache, (k, v)) in enumerate(
+            zip(self.decoder_layers, state.caches, memory.cross, strict=True)
+        ):
+            x, cache, weights = layer.step(x, cache, k, v, memory.src_mask, need_weights=i == want)
             caches.append(cache)
+            if weights is not None:
+                assert attention is not None
+                w = weights.squeeze(2)  # (B, h, S)
+                attn = w.mean(dim=1) if attention.head is None else w[:, attention.head]  # (B, S)
         logits = self.output(self.dec_norm(x)).squeeze(1)  # (B, V)
-        assert weights is not None
-        return logits, TransformerState(caches, state.position + 1), weights.squeeze(1)  # (B, S)
+        return logits, TransformerState(caches, state.position + 1), attn
 
-    def select(
-        self, memory: TransformerMemory, state: TransformerState, index: torch.Tensor
-    ) -> tuple[TransformerMemory, TransformerState]:
-        m = TransformerMemory(
-            memory.enc_out.index_select(0, index), memory.src_mask.index_select(0, index)
+    def select_memory(self, memory: TransformerMemory, index: torch.Tensor) -> TransformerMemory:
+        return TransformerMemory(
+            memory.enc_out.index_select(0, index),
+            memory.src_mask.index_select(0, index),
+            [(k.index_select(0, index), v.index_select(0, index)) for k, v in memory.cross],
         )
+
+    def select_state(self, state: TransformerState, index: torch.Tensor) -> TransformerState:
         caches = [
-            LayerCache(
-                *(t.index_select(0, index) for t in (c.self_k, c.self_v, c.cross_k, c.cross_v))
-            )
+            LayerCache(c.self_k.index_select(0, index), c.self_v.index_select(0, index))
             for c in state.caches
         ]
-        return m, TransformerState(caches, state.position)
+        return TransformerState(caches, state.position)
 
     def loss(
         self,

@@ -156,7 +156,7 @@ def test_train_translate_eval_end_to_end(tmp_path: Path, corpus, run_cli, arch):
     } <= names
     saved = yaml.safe_load((model / "config.yaml").read_text())
     assert saved["train"]["max_steps"] == 9  # the override, resolved
-    assert saved["decode"]["beam"] == 1  # defaults filled in
+    assert saved["decode"]["beam"] == 5  # defaults filled in
     events = [json.loads(line) for line in (model / "train_log.jsonl").read_text().splitlines()]
     validations = [e for e in events if e["event"] == "validation"]
     assert [v["step"] for v in validations] == [4, 8, 9]
@@ -187,6 +187,26 @@ def test_train_translate_eval_end_to_end(tmp_path: Path, corpus, run_cli, arch):
     )
     assert r.code == 0, r.stderr
     assert 0.0 <= json.loads(r.stdout)["bleu"] <= 100.0
+    # beam search, n-best list: K lines 'LINE ||| TEXT ||| SCORE' per input, best first
+    r = run_cli(
+        "translate", "-m", str(model), "--beam", "3", "--n-best", "2", stdin=b"w1 w2\n\nw3\n"
+    )
+    assert r.code == 0, r.stderr
+    rows = [line.split(" ||| ") for line in r.stdout.splitlines()]
+    assert [int(x[0]) for x in rows] == [0, 0, 1, 1, 2, 2]
+    assert float(rows[0][2]) >= float(rows[1][2])
+    assert_user_error(
+        run_cli("translate", "-m", str(model), "--beam", "2", "--n-best", "3", stdin=b"x\n"),
+        "--n-best 3 exceeds the beam size 2",
+    )
+    # attention maps: JSON (pieces + weights) and a PNG per input line
+    maps = tmp_path / "maps"
+    r = run_cli("translate", "-m", str(model), "--attention", str(maps), stdin=b"w1 w2\nw3\n")
+    assert r.code == 0, r.stderr
+    record = json.loads((maps / "000001.json").read_text())
+    assert len(record["weights"]) == len(record["target_pieces"])
+    assert all(len(row) == len(record["source_pieces"]) for row in record["weights"])
+    assert (maps / "000000.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # invalid UTF-8 on stdin is a user error with the line number
     r = run_cli("translate", "--model", str(model), stdin=b"ok\n\xff\n")
     assert_user_error(r, "<stdin>:2: not valid UTF-8")

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from attnmt.model import sequence_loss
+from attnmt.model import AttentionSpec, sequence_loss
 
 from models import V, random_batch, stepwise_logits, tiny_model
 
@@ -16,7 +16,7 @@ def test_shapes_and_teacher_forced_equals_stepwise(attention):
     assert memory.proj_keys.shape[:2] == (B, S)
     state = model.init_state(memory)
     assert state.shape == (2, B, 32)
-    logits, _, attn = model.decode_step(memory, state, batch.tgt_in[:, 0])
+    logits, _, attn = model.decode_step(memory, state, batch.tgt_in[:, 0], AttentionSpec())
     assert logits.shape == (B, V) and attn.shape == (B, S)
     assert torch.all(attn[batch.src_pad_mask] == 0)
     loss, n = model.loss(batch, 1.0, 0.0)

@@ -1,44 +1,159 @@
+"""Greedy and beam search: exact equivalences on tiny trained models."""
+
+from __future__ import annotations
+
 import pytest
 import torch
 
-from attnmt.search import greedy_search, max_output_lengths
+from attnmt.checkpoint import load_model_dir
+from attnmt.config import from_dict
+from attnmt.evaluate import SearchOptions, translate
+from attnmt.model import AttentionSpec, Seq2Seq
+from attnmt.search import (
+    beam_search,
+    greedy_search,
+    length_penalty,
+    max_output_lengths,
+)
+from attnmt.train import train
 
-from models import random_batch, tiny_model
+from conftest import make_pairs, tiny_config, write_lines
 
 
-def test_max_output_lengths():
+@pytest.fixture(scope="module", params=["transformer", "rnn"])
+def trained(request, tmp_path_factory):
+    """A tiny model trained for 60 steps on the toy corpus: it has learned to stop."""
+    d = tmp_path_factory.mktemp(request.param)
+    files = {}
+    for split, n, seed in (("train", 300, 1), ("dev", 20, 2)):
+        src, tgt = make_pairs(n, seed)
+        files[f"{split}_src"] = write_lines(d / f"{split}.src", src)
+        files[f"{split}_tgt"] = write_lines(d / f"{split}.tgt", tgt)
+    raw = tiny_config(files, request.param)
+    raw["model"].update(hidden_size=32, emb_size=32, ff_size=64)
+    raw["train"].update(max_steps=60, eval_every=60, lr=0.01, warmup_steps=10)
+    train(from_dict(raw), d / "m", quiet=True)
+    _, tok, model = load_model_dir(d / "m")
+    src, _ = make_pairs(12, 9)
+    ids = tok.src.encode(src)
+    batch = torch.full((len(ids), max(map(len, ids)) + 1), 0, dtype=torch.long)
+    for i, s in enumerate(ids):
+        batch[i, : len(s) + 1] = torch.tensor([*s, 3])
+    return model, tok, batch, batch == 0
+
+
+def test_max_output_lengths_and_length_penalty():
     pad = torch.tensor([[False, False, False, True], [False, True, True, True]])
     assert max_output_lengths(pad, 1.5, 2).tolist() == [6, 3]
+    assert length_penalty(1, 1.0) == 1.0
+    assert length_penalty(7, 1.0) == 2.0
+    assert length_penalty(7, 0.0) == 1.0
 
 
-@pytest.mark.parametrize("arch", ["rnn", "transformer"])
-def test_greedy_batched_equals_one_by_one(arch):
-    model = tiny_model(arch, seed=4).eval()
-    batch = random_batch(seed=5, B=6)
-    together = greedy_search(model, batch.src, batch.src_pad_mask, 2.0, 3)
-    for i in range(6):
-        n = int((~batch.src_pad_mask[i]).sum())
-        alone = greedy_search(
-            model, batch.src[i : i + 1, :n], batch.src_pad_mask[i : i + 1, :n], 2.0, 3
-        )
-        assert alone[0] == together[i]
-    limits = max_output_lengths(batch.src_pad_mask, 2.0, 3)
-    for hyp, limit in zip(together, limits.tolist(), strict=True):
-        assert len(hyp) <= limit
-        assert model.eos_id not in hyp
+def test_beam_1_is_greedy(trained):
+    model, _, src, pad = trained
+    greedy = greedy_search(model, src, pad, 1.5, 5)
+    beam1 = beam_search(model, src, pad, 1, 0.0, 1.5, 5)
+    assert [h.tokens for h in greedy] == [b[0].tokens for b in beam1]
+    for g, b in zip(greedy, beam1, strict=True):
+        assert b[0].score == pytest.approx(g.score, abs=1e-4)
 
 
-def test_greedy_is_argmax_chain():
-    model = tiny_model("transformer", seed=6).eval()
-    batch = random_batch(seed=7, B=1)
-    hyp = greedy_search(model, batch.src, batch.src_pad_mask, 3.0, 5)[0]
-    memory = model.encode(batch.src, batch.src_pad_mask)
+@torch.no_grad()
+def uncached_next_logprobs(model: Seq2Seq, src, pad, prefix: list[int]) -> torch.Tensor:
+    """log p(. | prefix) recomputed from scratch: the whole prefix, no state carried over."""
+    memory = model.encode(src, pad)
     state = model.init_state(memory)
-    prev, expected = torch.tensor([model.bos_id]), []
-    for _ in range(len(hyp) + 1):
-        logits, state, _ = model.decode_step(memory, state, prev)
-        prev = logits.argmax(-1)
-        if int(prev) == model.eos_id:
+    logits = None
+    for tok in [model.bos_id, *prefix]:
+        logits, state, _ = model.decode_step(memory, state, torch.tensor([tok]))
+    return torch.log_softmax(logits[0].float(), -1)
+
+
+def reference_beam(
+    model, src, pad, K: int, alpha: float, limit: int
+) -> list[tuple[list[int], float]]:
+    """One sentence, plain lists: the same rules as the batched search, written simply."""
+    live = [([], 0.0)]
+    finished: list[tuple[list[int], float]] = []
+    for t in range(limit):
+        cands = []
+        for tokens, score in live:
+            logp = uncached_next_logprobs(model, src, pad, tokens)
+            cands += [(score + float(lp), tokens, v) for v, lp in enumerate(logp)]
+        cands.sort(key=lambda c: -c[0])
+        cands = cands[: 2 * K]
+        for score, tokens, v in cands[:K]:
+            if v == model.eos_id and len(finished) < K:
+                finished.append((tokens, score / length_penalty(t + 1, alpha)))
+        live = [([*tokens, v], score) for score, tokens, v in cands if v != model.eos_id][:K]
+        if t + 1 >= limit:
+            for tokens, score in live:
+                if len(finished) < K:
+                    finished.append((tokens, score / length_penalty(t + 1, alpha)))
+        if len(finished) >= K:
             break
-        expected.append(int(prev))
-    assert hyp == expected[: len(hyp)]
+    return sorted(finished, key=lambda f: -f[1])
+
+
+@pytest.mark.parametrize(("K", "alpha"), [(3, 1.0), (4, 0.0)])
+def test_batched_beam_equals_reference(trained, K, alpha):
+    model, _, src, pad = trained
+    batched = beam_search(model, src, pad, K, alpha, 1.5, 5, n_best=K)
+    limits = max_output_lengths(pad, 1.5, 5)
+    for i in range(0, src.size(0), 3):
+        n = int((~pad[i]).sum())
+        ref = reference_beam(
+            model, src[i : i + 1, :n], pad[i : i + 1, :n], K, alpha, int(limits[i])
+        )
+        assert [h.tokens for h in batched[i]] == [r[0] for r in ref]
+        for h, r in zip(batched[i], ref, strict=True):
+            assert h.score == pytest.approx(r[1], abs=1e-4)
+
+
+def test_cached_and_uncached_greedy_agree(trained):
+    model, _, src, pad = trained
+    cached = greedy_search(model, src, pad, 1.5, 5)
+    limits = max_output_lengths(pad, 1.5, 5)
+    for i in range(0, src.size(0), 2):
+        n = int((~pad[i]).sum())
+        tokens: list[int] = []
+        while len(tokens) < int(limits[i]):
+            nxt = int(
+                uncached_next_logprobs(
+                    model, src[i : i + 1, :n], pad[i : i + 1, :n], tokens
+                ).argmax()
+            )
+            if nxt == model.eos_id:
+                break
+            tokens.append(nxt)
+        assert cached[i].tokens == tokens
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_same_output_whatever_batch_size_and_order(trained, beam):
+    model, tok, _, _ = trained
+    lines, _ = make_pairs(15, 11)
+    lines[3] = ""
+    lines[7] = " ".join(["w1", "w2"] * 40)  # a long line: translated up to the limit
+    opts = SearchOptions(beam=beam, n_best=beam)
+    one = translate(model, tok, lines, opts, batch_tokens=1)
+    many = translate(model, tok, lines, opts, batch_tokens=10_000, batch_sentences=4)
+    rev = translate(model, tok, lines[::-1], opts, batch_tokens=50)[::-1]
+    texts = [[t.text for t in r] for r in one]
+    assert texts == [[t.text for t in r] for r in many] == [[t.text for t in r] for r in rev]
+    assert len(one) == 15 and all(len(r) == beam for r in one)
+    assert one[3][0].text == ""
+    assert len(one[7][0].tgt_pieces) - 1 <= 1.5 * len(one[7][0].src_pieces) + 10
+
+
+def test_attention_weights_follow_the_hypothesis(trained):
+    model, tok, _, _ = trained
+    lines, _ = make_pairs(4, 12)
+    for beam in (1, 3):
+        out = translate(model, tok, lines, SearchOptions(beam=beam, attention=AttentionSpec()), 100)
+        for r in out:
+            t = r[0]
+            assert t.attention is not None
+            assert t.attention.shape == (len(t.tgt_pieces), len(t.src_pieces))
+            torch.testing.assert_close(t.attention.sum(-1), torch.ones(len(t.tgt_pieces)))

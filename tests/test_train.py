@@ -18,7 +18,7 @@ import attnmt.train as train_mod
 from attnmt.checkpoint import latest_checkpoint, load_model_dir, load_train_state
 from attnmt.config import from_dict
 from attnmt.errors import CheckpointError, ConfigError, TrainingError
-from attnmt.evaluate import translate_lines
+from attnmt.evaluate import SearchOptions, translate_lines
 from attnmt.train import train
 from attnmt.transformer import TransformerSeq2Seq
 
@@ -233,7 +233,9 @@ def test_kill_9_never_breaks_the_model_directory(tmp_path: Path, corpus):
         _, state = latest_checkpoint(out)
         assert load_train_state(state)["progress"]["step"] >= 1
         _, tok, model = load_model_dir(out)  # best.safetensors: complete and loadable
-        assert len(translate_lines(model, tok, ["w1 w2", "", "w3"], 100, 1.0, 3)) == 3
+        assert (
+            len(translate_lines(model, tok, ["w1 w2", "", "w3"], SearchOptions(beam=2), 100)) == 3
+        )
     assert mid_save >= 3, f"only {mid_save} of {kills} kills landed inside a save"
     print(f"{kills} kills, {mid_save} left a save half-written")
     before = load_train_state(latest_checkpoint(out)[1])["progress"]["step"]

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from attnmt.model import sequence_loss
+from attnmt.model import AttentionSpec, sequence_loss
 from attnmt.transformer import sinusoid_table
 
 from models import V, random_batch, stepwise_logits, tiny_model
@@ -22,9 +22,15 @@ def test_shapes_and_incremental_equals_full(norm):
         stepwise_logits(model, batch, batch.tgt_in), full, atol=1e-5, rtol=1e-4
     )
     state = model.init_state(memory)
-    logits, state, attn = model.decode_step(memory, state, batch.tgt_in[:, 0])
+    logits, state, attn = model.decode_step(memory, state, batch.tgt_in[:, 0], AttentionSpec())
     assert logits.shape == (B, V) and attn.shape == (B, S) and state.position == 1
     assert torch.all(attn[batch.src_pad_mask] == 0)
+    torch.testing.assert_close(attn.sum(-1), torch.ones(B))
+    _, _, head0 = model.decode_step(
+        memory, model.init_state(memory), batch.tgt_in[:, 0], AttentionSpec(0, 1)
+    )
+    assert head0.shape == (B, S)
+    assert model.decode_step(memory, model.init_state(memory), batch.tgt_in[:, 0])[2] is None
 
 
 def test_tied_embeddings():

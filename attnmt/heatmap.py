@@ -1,0 +1,44 @@
+"""Attention maps: per sentence, the weights as JSON and a heatmap PNG with tokens on the axes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from attnmt.checkpoint import atomic_write, atomic_write_bytes
+from attnmt.evaluate import Translation
+
+
+def write_attention_map(directory: Path, index: int, translation: Translation, title: str) -> None:
+    """Write DIR/NNNNNN.json and DIR/NNNNNN.png for input line `index` (0-based)."""
+    stem = directory / f"{index:06d}"
+    weights = translation.attention
+    record = {
+        "line": index,
+        "source_pieces": translation.src_pieces,
+        "target_pieces": translation.tgt_pieces,
+        "translation": translation.text,
+        "weights": []
+        if weights is None
+        else [[round(float(w), 6) for w in row] for row in weights],
+    }
+    atomic_write_bytes(stem.with_suffix(".json"), json.dumps(record, ensure_ascii=False).encode())
+    if weights is None or weights.numel() == 0:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    rows, cols = weights.shape
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.45 * cols + 2), max(3.0, 0.4 * rows + 1.5)))
+    image = ax.imshow(weights.numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+    ax.set_xticks(range(cols), translation.src_pieces, rotation=90, fontsize=8)
+    ax.set_yticks(range(rows), translation.tgt_pieces, fontsize=8)
+    ax.set_xlabel("source")
+    ax.set_ylabel("output")
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(image, ax=ax, fraction=0.04)
+    fig.tight_layout()
+    atomic_write(stem.with_suffix(".png"), lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+    plt.close(fig)
