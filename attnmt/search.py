@@ -107,10 +107,10 @@ def beam_search(
 
     At each step every live beam is extended by every token; of the 2K best candidates of a
     sentence, those ending in EOS that rank within the top K are finished, and the K best
-    others continue. A sentence is done once it has K finished hypotheses (or reaches its
-    length limit, when its live beams are finished as they are); it then leaves the batch.
-    Finished hypotheses are ranked by log-probability / length_penalty(length, alpha), with
-    length counting EOS.
+    others continue. A sentence is done once its best candidate is EOS and it has n_best
+    finished hypotheses (the rule of OpenNMT-py), or at its length limit, when its live beams
+    are finished as they are; it then leaves the batch. Finished hypotheses are ranked by
+    log-probability / length_penalty(length, alpha), with length counting EOS.
 
     Returns:
         For each sentence, its n_best hypotheses, best first.
@@ -147,18 +147,16 @@ def beam_search(
         finish[:, K:] = False
         for r, c in finish.nonzero().tolist():
             row = r * K + int(top_beam[r, c])
-            sent = finished[active[r]]
-            if len(sent) < K:
-                sent.append(
-                    _hypothesis(
-                        tokens[row],
-                        float(top_scores[r, c]),
-                        t + 1,
-                        alpha,
-                        True,
-                        attn_hist[row] if attn_hist is not None else None,
-                    )
+            finished[active[r]].append(
+                _hypothesis(
+                    tokens[row],
+                    float(top_scores[r, c]),
+                    t + 1,
+                    alpha,
+                    True,
+                    attn_hist[row] if attn_hist is not None else None,
                 )
+            )
         # 2. The K best candidates that are not EOS continue.
         cont_scores = top_scores.masked_fill(is_eos, float("-inf"))  # (n, 2K)
         new_scores, pick = cont_scores.topk(K, dim=1)  # (n, K)
@@ -168,19 +166,25 @@ def beam_search(
         tokens = torch.cat([tokens[rows], new_tok.view(-1, 1)], dim=1)  # (n*K, t+1)
         if attn_hist is not None:
             attn_hist = attn_hist[rows]
-        # 3. Sentences at their length limit finish their live beams as they are.
+        # 3. A sentence is done when its best candidate is EOS (no live beam scores higher)
+        # and it has n_best finished hypotheses; at its length limit, its live beams finish
+        # as they are. Stopping as soon as K hypotheses finished would not do: on a confident
+        # model the EOS extensions of poor beams fill those K places while the best beam is
+        # still in mid-sentence.
+        best_is_eos = is_eos[:, 0].tolist()
         at_limit = (limits[active] <= t + 1).tolist()
+        keep = []
         for r in range(n):
-            if at_limit[r] and len(finished[active[r]]) < K:
+            sent = finished[active[r]]
+            if at_limit[r]:
                 for j in range(K):
-                    if len(finished[active[r]]) >= K:
-                        break
                     row = r * K + j
-                    finished[active[r]].append(_hypothesis(
+                    sent.append(_hypothesis(
                         tokens[row], float(new_scores[r, j]), t + 1, alpha, False,
                         attn_hist[row] if attn_hist is not None else None))  # fmt: skip
+            elif not (best_is_eos[r] and len(sent) >= n_best):
+                keep.append(r)
         # 4. Done sentences leave; the others go on with their reordered beams.
-        keep = [r for r in range(n) if len(finished[active[r]]) < K]
         if not keep:
             break
         state = model.select_state(state, rows)
