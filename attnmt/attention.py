@@ -27,22 +27,20 @@ def masked_softmax(scores: torch.Tensor, pad_mask: torch.Tensor | None) -> torch
     return torch.softmax(scores, dim=-1)
 
 
-class AdditiveAttention(nn.Module):
-    """Bahdanau et al. (2015), https://arxiv.org/abs/1409.0473: score = v · tanh(W_q q + W_k k).
+class SourceAttention(nn.Module):
+    """Attention of one decoder state over the encoder states (the rnn decoder's attention).
 
-    The keys do not change while a sentence is decoded, so `project_keys` is called once per
-    sentence and its result passed to every step.
+    Subclasses define the score; the keys do not change while a sentence is decoded, so
+    `project_keys` is called once per sentence and its result passed to every step.
     """
 
-    def __init__(self, query_size: int, key_size: int, hidden_size: int) -> None:
-        super().__init__()
-        self.key_layer = nn.Linear(key_size, hidden_size, bias=False)
-        self.query_layer = nn.Linear(query_size, hidden_size, bias=True)
-        self.energy_layer = nn.Linear(hidden_size, 1, bias=False)
-
     def project_keys(self, keys: torch.Tensor) -> torch.Tensor:
-        """(B, S, key_size) -> (B, S, hidden_size): W_k k, once per sentence."""
-        return self.key_layer(keys)
+        """(B, S, key_size) -> (B, S, A), once per sentence."""
+        raise NotImplementedError
+
+    def score(self, query: torch.Tensor, proj_keys: torch.Tensor) -> torch.Tensor:
+        """query (B, query_size), proj_keys (B, S, A) -> energies (B, S)."""
+        raise NotImplementedError
 
     def forward(
         self,
@@ -55,20 +53,35 @@ class AdditiveAttention(nn.Module):
 
         Args:
             query: (B, query_size) the decoder state.
-            proj_keys: (B, S, hidden_size) from project_keys.
+            proj_keys: (B, S, A) from project_keys.
             values: (B, S, value_size) the encoder states.
             pad_mask: (B, S) bool, True at source padding.
         Returns:
             context (B, value_size) and weights (B, S).
         """
-        q = self.query_layer(query).unsqueeze(1)  # (B, 1, H)
-        scores = self.energy_layer(torch.tanh(q + proj_keys)).squeeze(-1)  # (B, S)
-        weights = masked_softmax(scores, pad_mask)  # (B, S)
+        weights = masked_softmax(self.score(query, proj_keys), pad_mask)  # (B, S)
         context = torch.bmm(weights.unsqueeze(1), values).squeeze(1)  # (B, V)
         return context, weights
 
 
-class DotAttention(nn.Module):
+class AdditiveAttention(SourceAttention):
+    """Bahdanau et al. (2015), https://arxiv.org/abs/1409.0473: score = v · tanh(W_q q + W_k k)."""
+
+    def __init__(self, query_size: int, key_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.key_layer = nn.Linear(key_size, hidden_size, bias=False)
+        self.query_layer = nn.Linear(query_size, hidden_size, bias=True)
+        self.energy_layer = nn.Linear(hidden_size, 1, bias=False)
+
+    def project_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        return self.key_layer(keys)  # (B, S, hidden_size): W_k k
+
+    def score(self, query: torch.Tensor, proj_keys: torch.Tensor) -> torch.Tensor:
+        q = self.query_layer(query).unsqueeze(1)  # (B, 1, H)
+        return self.energy_layer(torch.tanh(q + proj_keys)).squeeze(-1)  # (B, S)
+
+
+class DotAttention(SourceAttention):
     """Scaled dot-product attention with a learned key projection (Luong's "general" score,
     scaled as in Vaswani et al.): score = (W_k k) · q / sqrt(d)."""
 
@@ -78,21 +91,10 @@ class DotAttention(nn.Module):
         self.scale = 1.0 / math.sqrt(query_size)
 
     def project_keys(self, keys: torch.Tensor) -> torch.Tensor:
-        """(B, S, key_size) -> (B, S, query_size), once per sentence."""
-        return self.key_layer(keys)
+        return self.key_layer(keys)  # (B, S, query_size)
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        proj_keys: torch.Tensor,
-        values: torch.Tensor,
-        pad_mask: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Same contract as AdditiveAttention.forward."""
-        scores = torch.bmm(proj_keys, query.unsqueeze(2)).squeeze(2) * self.scale  # (B, S)
-        weights = masked_softmax(scores, pad_mask)  # (B, S)
-        context = torch.bmm(weights.unsqueeze(1), values).squeeze(1)  # (B, V)
-        return context, weights
+    def score(self, query: torch.Tensor, proj_keys: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(proj_keys, query.unsqueeze(2)).squeeze(2) * self.scale  # (B, S)
 
 
 def additive_mask(

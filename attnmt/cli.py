@@ -26,6 +26,11 @@ app = typer.Typer(
 )
 
 
+# Options that translate and eval share.
+WeightsOption = Annotated[str, typer.Option("--weights", help="Which checkpoint: best or last.")]
+DeviceOption = Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")]
+
+
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"attnmt {__version__}")
@@ -131,10 +136,8 @@ def translate(
             "--attention-head", min=0, help="Transformer: one head (default: mean of heads)."
         ),
     ] = None,
-    weights: Annotated[
-        str, typer.Option("--weights", help="Which checkpoint: best or last.")
-    ] = "best",
-    device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
+    weights: WeightsOption = "best",
+    device: DeviceOption = "auto",
 ) -> None:
     """Translate text, one line in, one line out (beam search, or greedy with --beam 1)."""
     from attnmt.evaluate import SearchOptions
@@ -231,8 +234,8 @@ def evaluate(
             "--beam", "-b", min=1, max=100, help="Beam size with --model (default: config)."
         ),
     ] = None,
-    weights: Annotated[str, typer.Option("--weights", help="best or last.")] = "best",
-    device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
+    weights: WeightsOption = "best",
+    device: DeviceOption = "auto",
 ) -> None:
     """Score translations with sacreBLEU (BLEU, chrF); translate --src first if --model is given."""
     from attnmt.data import read_lines

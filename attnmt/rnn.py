@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from attnmt.attention import AdditiveAttention, DotAttention
+from attnmt.attention import AdditiveAttention, DotAttention, SourceAttention
 from attnmt.config import ModelConfig
 from attnmt.data import Batch
 from attnmt.model import AttentionSpec, Seq2Seq, gold_coins, sequence_loss
@@ -74,7 +74,7 @@ class RNNSeq2Seq(Seq2Seq):
         self.encoder = GRUEncoder(src_embed, H, cfg.enc_layers, cfg.dropout)
         self.bridge = nn.Linear(D, D)
         if cfg.attention == "bahdanau":
-            self.attention: AdditiveAttention | DotAttention = AdditiveAttention(D, D, D)
+            self.attention: SourceAttention = AdditiveAttention(D, D, D)
         else:
             self.attention = DotAttention(D, D)
         self.rnn = nn.GRU(
