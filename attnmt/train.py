@@ -348,10 +348,12 @@ def train(
         load_weights(model, weights_path, device)
         try:
             optimizer.load_state_dict(state["optimizer"])
-        except (RuntimeError, ValueError, KeyError) as e:
-            raise CheckpointError(f"{weights_path}: cannot restore the checkpoint ({e})") from None
-        progress = Progress(**state["progress"])
-        set_rng_state(state["rng"], tf_generator)
+            progress = Progress(**state["progress"])
+            set_rng_state(state["rng"], tf_generator)
+        except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
+            raise CheckpointError(
+                f"{state_path}: cannot restore the training state ({type(e).__name__}: {e})"
+            ) from None
         save_weights(model, out / LAST_FILE)
     log.event(
         "model",

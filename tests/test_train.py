@@ -124,6 +124,19 @@ def test_crafted_pickle_is_refused_and_its_code_never_runs(tmp_path: Path, corpu
     assert not marker.exists()
 
 
+def test_damaged_state_is_a_one_line_error(tmp_path: Path, corpus, run_cli):
+    cfg = write_config(tmp_path / "c.yaml", config(corpus, max_steps=4))
+    out = tmp_path / "m"
+    assert run_cli("train", "-c", str(cfg), "--out", str(out), "-q").code == 0
+    _, state_path = latest_checkpoint(out)
+    state = load_train_state(state_path)
+    state["progress"]["surprise"] = 1
+    torch.save(state, state_path)
+    r = run_cli("train", "-c", str(cfg), "--out", str(out), "--resume", "-q")
+    assert r.code == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "cannot restore the training state" in r.stderr
+
+
 def test_newer_state_format_is_refused(tmp_path: Path):
     path = tmp_path / "s.pt"
     torch.save({"format_version": 99}, path)
