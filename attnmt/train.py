@@ -59,7 +59,8 @@ from attnmt.model import Seq2Seq, build_model
 from attnmt.schedules import inverse_sqrt_lr, teacher_forcing_ratio, warmup_lr
 from attnmt.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
-# Keys that may change between a run and its resumption: they do not change what a step computes.
+# Keys that may change between a run and its resumption: they do not change what a step computes
+# (device and threads only up to floating-point rounding).
 RESUMABLE_KEYS = (
     "train.max_steps",
     "train.max_epochs",
