@@ -11,8 +11,7 @@ start=$(date +%s)
 python "$here/make_numbers.py" "$data"
 attnmt train --config "$here/../configs/quickstart.yaml" --out "$out/model" --overwrite \
   --set data.train.src="$data/train.de" --set data.train.tgt="$data/train.en" \
-  --set data.dev.src="$data/dev.de" --set data.dev.tgt="$data/dev.en" \
-  --set data.test.src="$data/test.de" --set data.test.tgt="$data/test.en"
+  --set data.dev.src="$data/dev.de" --set data.dev.tgt="$data/dev.en"
 
 echo "--- a few test translations (source | model output | reference)"
 head -n 5 "$data/test.de" > "$out/sample.de"
