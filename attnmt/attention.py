@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnmt.ops import dropout
+
 
 def masked_softmax(scores: torch.Tensor, pad_mask: torch.Tensor | None) -> torch.Tensor:
     """Softmax over the last axis with masked positions set to exactly 0.
@@ -150,8 +152,7 @@ def scaled_dot_product(
     if mask is not None:
         scores = scores + mask
     weights = torch.softmax(scores, dim=-1)  # (B, h, T_q, T_k)
-    if dropout_p > 0.0:
-        weights = F.dropout(weights, p=dropout_p)
+    weights = dropout(weights, dropout_p, True)
     return weights @ v, weights  # (B, h, T_q, d_v)
 
 
@@ -221,15 +222,20 @@ class MultiHeadAttention(nn.Module):
         B, T_q, E = query.shape
         q = self.split_heads(self.q_proj(query))  # (B, h, T_q, d)
         p = self.dropout if self.training else 0.0
-        if causal and (need_weights or mask is not None):
+        # On CPU the fused kernel draws its dropout mask with the slow bernoulli_; our math
+        # path with ops.dropout is faster there.
+        math_path = need_weights or (p > 0.0 and query.device.type == "cpu")
+        if causal and (math_path or mask is not None):
             # The fused kernel's is_causal flag cannot be combined with a mask; build it.
             cm = additive_mask(None, causal_mask(T_q, query.device), q.dtype)  # (T_q, T_k)
             mask = cm if mask is None else mask + cm
             causal = False
         weights = None
-        if need_weights:
+        if math_path:
             out, weights = scaled_dot_product(q, k, v, mask, p)  # (B, h, T_q, d)
-            if average_attn_weights:
+            if not need_weights:
+                weights = None
+            elif average_attn_weights:
                 weights = weights.mean(dim=1)  # (B, T_q, T_k)
         else:
             out = F.scaled_dot_product_attention(

@@ -88,6 +88,7 @@ class TrainConfig(_Section):
     max_steps: int = Field(100_000, ge=1)
     max_epochs: int = Field(100, ge=1)
     batch_tokens: int = Field(4096, ge=1)
+    batch_sentences: int | None = Field(None, ge=1)
     lr: float = Field(5e-4, gt=0.0, le=10.0)
     lr_schedule: Literal["inverse_sqrt", "plateau", "constant"] = "inverse_sqrt"
     warmup_steps: int = Field(4000, ge=0)
@@ -100,6 +101,8 @@ class TrainConfig(_Section):
     clip_grad_norm: float = Field(1.0, ge=0.0)
     seed: int = Field(1234, ge=0, le=2**32 - 1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    compile: bool = False
     threads: int = Field(0, ge=0, le=1024)
     eval_every: int = Field(1000, ge=1)
     eval_batch_tokens: int = Field(8000, ge=1)

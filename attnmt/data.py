@@ -170,10 +170,13 @@ def token_batches(
 class BucketSampler:
     """Length-bucketed token batches, reshuffled each epoch from (seed, epoch) alone.
 
-    Each epoch: shuffle all indices, sort each chunk of `bucket_batches` batches' worth of
-    sentences by length (so neighbours have similar lengths and padding stays low), cut into
-    token batches, and shuffle the batch order. Because the order is a pure function of
-    (seed, epoch), a run can be resumed at any batch of any epoch.
+    A batch's size is its padded length times its rows, where a pair's length is the longer of
+    its source and target (OpenNMT-py's definition of a token batch), and at most
+    `max_sentences` rows when given. Each epoch: shuffle all indices, sort each chunk of
+    `bucket_batches` batches' worth of pairs by (longer side, target), so neighbours have
+    similar lengths on both sides and padding stays low, cut into batches, and shuffle the
+    batch order. Because the order is a pure function of (seed, epoch), a run can be resumed
+    at any batch of any epoch.
     """
 
     def __init__(
@@ -183,26 +186,31 @@ class BucketSampler:
         batch_tokens: int,
         seed: int,
         bucket_batches: int = 100,
+        max_sentences: int | None = None,
     ) -> None:
-        self.src_lengths = list(src_lengths)
         self.tgt_lengths = list(tgt_lengths)
+        self.lengths = [max(s, t) for s, t in zip(src_lengths, tgt_lengths, strict=True)]
         self.batch_tokens = batch_tokens
         self.seed = seed
         self.bucket_batches = bucket_batches
+        self.max_sentences = max_sentences
 
     def epoch(self, epoch: int) -> list[list[int]]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        n = len(self.tgt_lengths)
+        n = len(self.lengths)
         perm = torch.randperm(n, generator=g).tolist()
-        mean_len = max(1, sum(self.tgt_lengths) // max(1, n))
-        chunk = max(1, self.bucket_batches * self.batch_tokens // mean_len)
+        mean_len = max(1, sum(self.lengths) // max(1, n))
+        per_batch = self.batch_tokens // mean_len
+        if self.max_sentences is not None:
+            per_batch = min(per_batch, self.max_sentences)
+        chunk = max(1, self.bucket_batches * per_batch)
         batches: list[list[int]] = []
         for start in range(0, n, chunk):
             part = sorted(
                 perm[start : start + chunk],
-                key=lambda i: (self.tgt_lengths[i], self.src_lengths[i]),
+                key=lambda i: (self.lengths[i], self.tgt_lengths[i]),
             )
-            batches.extend(token_batches(self.tgt_lengths, self.batch_tokens, part))
+            batches.extend(token_batches(self.lengths, self.batch_tokens, part, self.max_sentences))
         shuffle = torch.randperm(len(batches), generator=g).tolist()
         return [batches[i] for i in shuffle]
 

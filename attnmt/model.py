@@ -68,6 +68,16 @@ class Seq2Seq(nn.Module):
         """Keep rows `index` (B',) of the decoder state (reorder beams, drop finished rows)."""
         raise NotImplementedError
 
+    def forward(
+        self,
+        batch: Batch,
+        tf_ratio: float = 1.0,
+        label_smoothing: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, int]:
+        """The same as `loss`: the call that DistributedDataParallel and torch.compile wrap."""
+        return self.loss(batch, tf_ratio, label_smoothing, generator)
+
     def loss(
         self,
         batch: Batch,

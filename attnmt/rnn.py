@@ -19,6 +19,8 @@ from attnmt.attention import AdditiveAttention, DotAttention, SourceAttention
 from attnmt.config import ModelConfig
 from attnmt.data import Batch
 from attnmt.model import AttentionSpec, Seq2Seq, gold_coins, sequence_loss
+from attnmt.ops import Dropout, linear_cross_entropy
+from attnmt.tokenizer import PAD_ID
 
 
 @dataclass
@@ -35,7 +37,7 @@ class GRUEncoder(nn.Module):
     def __init__(self, embed: nn.Embedding, hidden_size: int, layers: int, dropout: float) -> None:
         super().__init__()
         self.embed = embed
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.rnn = nn.GRU(
             embed.embedding_dim,
             hidden_size,
@@ -85,7 +87,7 @@ class RNNSeq2Seq(Seq2Seq):
             dropout=cfg.dropout if cfg.dec_layers > 1 else 0.0,
         )
         self.pre_output = nn.Linear(D + D + E, E)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
         self.output = nn.Linear(E, tgt_vocab, bias=False)
         self._init_weights()
         if cfg.tie_embeddings:
@@ -168,8 +170,10 @@ class RNNSeq2Seq(Seq2Seq):
             for t in range(T):
                 pre, hidden, _ = self._step(memory, hidden, embs[:, t])
                 pres.append(pre)
-            logits = self.output(torch.stack(pres, dim=1))  # (B, T, V)
-            return sequence_loss(logits, batch.tgt_out, label_smoothing)
+            h = torch.stack(pres, dim=1)  # (B, T, E)
+            return linear_cross_entropy(
+                h, self.output.weight, batch.tgt_out, PAD_ID, label_smoothing
+            )
         # Scheduled sampling (Bengio et al. 2015, https://arxiv.org/abs/1506.03099): each
         # position after the first takes the gold token with probability tf_ratio, else the
         # model's own argmax from the previous step (no gradient through the choice).

@@ -12,6 +12,7 @@ would have taken (on CPU its weights are byte-identical).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -22,13 +23,16 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 import yaml
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from attnmt import distributed
 from attnmt.checkpoint import (
     BEST_FILE,
     CONFIG_FILE,
@@ -67,6 +71,7 @@ RESUMABLE_KEYS = (
     "train.patience",
     "train.device",
     "train.threads",
+    "train.compile",
     "train.log_every",
     "train.keep_best",
     "train.keep_last",
@@ -88,12 +93,17 @@ def resolve_device(name: str) -> torch.device:
 class RunLog:
     """Human-readable lines on stderr and in train.log; the same events as JSON lines."""
 
-    def __init__(self, out: Path, quiet: bool = False) -> None:
-        self.text = open(out / LOG_TEXT, "a", encoding="utf-8")  # noqa: SIM115 (closed in close)
-        self.jsonl = open(out / LOG_JSONL, "a", encoding="utf-8")  # noqa: SIM115
+    def __init__(self, out: Path, quiet: bool = False, enabled: bool = True) -> None:
+        """enabled=False (ranks other than 0 of a multi-process run) logs nothing."""
+        self.enabled = enabled
         self.quiet = quiet
+        if enabled:
+            self.text = open(out / LOG_TEXT, "a", encoding="utf-8")  # noqa: SIM115 (see close)
+            self.jsonl = open(out / LOG_JSONL, "a", encoding="utf-8")  # noqa: SIM115
 
     def event(self, kind: str, line: str | None = None, **fields: Any) -> None:
+        if not self.enabled:
+            return
         self.jsonl.write(json.dumps({"event": kind, **fields}) + "\n")
         self.jsonl.flush()
         if line is not None:
@@ -103,8 +113,9 @@ class RunLog:
                 tqdm.write(line, file=sys.stderr)
 
     def close(self) -> None:
-        self.text.close()
-        self.jsonl.close()
+        if self.enabled:
+            self.text.close()
+            self.jsonl.close()
 
 
 @dataclass
@@ -275,8 +286,25 @@ def train(
 ) -> dict[str, Any]:
     """Train a model from cfg into the model directory `out`; returns a summary."""
     t = cfg.train
-    prepare_output_dir(out, overwrite, resume)
-    device = resolve_device(t.device)
+    ranks = distributed.ranks_from_env()
+    if ranks.is_main:
+        prepare_output_dir(out, overwrite, resume)
+    if ranks.world > 1:
+        device = distributed.init(ranks, t.device)
+        ranks.barrier()  # the model directory exists before any rank reads or writes it
+    else:
+        device = resolve_device(t.device)
+    try:
+        return _train(cfg, out, resume, quiet, ranks, device)
+    finally:
+        ranks.shutdown()
+
+
+def _train(
+    cfg: Config, out: Path, resume: bool, quiet: bool, ranks: distributed.Ranks,
+    device: torch.device,
+) -> dict[str, Any]:  # fmt: skip
+    t = cfg.train
     if t.threads:
         torch.set_num_threads(t.threads)
     random.seed(t.seed)
@@ -286,7 +314,7 @@ def train(
     tf_generator = torch.Generator().manual_seed(t.seed + 1)
     checkpoint = latest_checkpoint(out) if resume else None
 
-    log = RunLog(out, quiet)
+    log = RunLog(out, quiet, enabled=ranks.is_main)
     start_time = time.time()
     train_text = read_parallel(cfg.data.train.src, cfg.data.train.tgt)
     dev_text = read_parallel(cfg.data.dev.src, cfg.data.dev.tgt)
@@ -298,7 +326,11 @@ def train(
         saved = yaml.safe_load((out / CONFIG_FILE).read_text(encoding="utf-8"))
         check_resumable(from_dict(saved), cfg)
         tokenizer = Tokenizer.load(out, cfg.tokenizer.joint)
-        write_run_files(out, cfg, tokenizer)  # the config may carry resumable changes
+        if ranks.is_main:
+            write_run_files(out, cfg, tokenizer)  # the config may carry resumable changes
+    elif not ranks.is_main:
+        ranks.barrier()  # rank 0 trains SentencePiece and writes it; the others load it
+        tokenizer = Tokenizer.load(out, cfg.tokenizer.joint)
     else:
         tokenizer = Tokenizer.train(
             train_text.src,
@@ -309,6 +341,7 @@ def train(
             cfg.tokenizer.character_coverage,
         )
         write_run_files(out, cfg, tokenizer)
+        ranks.barrier()
     train_data, too_long = encode_and_filter(train_text, tokenizer, cfg.data.max_len)
     dev_data, _ = encode_and_filter(dev_text, tokenizer, 1 << 30)
     if not train_data.src:
@@ -333,14 +366,19 @@ def train(
     model = build_checked_model(cfg, tokenizer, device)
     model.to(device).train()
     n_params = sum(p.numel() for p in model.parameters())
+    # fused: one kernel for all parameters instead of a handful of ops per tensor.
     optimizer = torch.optim.Adam(
-        model.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay
+        model.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay, fused=True
     )
+    # fp16 needs loss scaling to keep small gradients from underflowing; bf16 and fp32 do not.
+    scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
+    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
     sampler = BucketSampler(
         [len(s) + 1 for s in train_data.src],
         [len(x) + 1 for x in train_data.tgt],
         t.batch_tokens,
         t.seed,
+        max_sentences=t.batch_sentences,
     )
     progress = Progress()
     if checkpoint is not None:
@@ -351,14 +389,27 @@ def train(
             optimizer.load_state_dict(state["optimizer"])
             progress = Progress(**state["progress"])
             set_rng_state(state["rng"], tf_generator)
+            if "scaler" in state:
+                scaler.load_state_dict(state["scaler"])
         except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
             raise CheckpointError(
                 f"{state_path}: cannot restore the training state ({type(e).__name__}: {e})"
             ) from None
-        save_weights(model, out / LAST_FILE)
+        if ranks.is_main:
+            save_weights(model, out / LAST_FILE)
+    # DDP averages the gradients over the ranks during backward; it hooks into forward, which
+    # is the model's training loss. torch.compile wraps what runs the step.
+    step_model: nn.Module = model
+    if ranks.world > 1:
+        step_model = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    if t.compile:
+        step_model = cast(nn.Module, torch.compile(step_model))
     log.event(
         "model",
-        f"model: {cfg.model.arch}, {n_params:,} parameters, device {device}"
+        f"model: {cfg.model.arch}, {n_params:,} parameters, device {device}, {t.precision}"
+        + (f", {ranks.world} processes" if ranks.world > 1 else "")
         + (f" | resumed at step {progress.step}" if checkpoint else ""),
         arch=cfg.model.arch,
         parameters=n_params,
@@ -380,14 +431,25 @@ def train(
             "optimizer": optimizer.state_dict(),
             "rng": rng_state(tf_generator),
         }
+        if scaler.is_enabled():
+            state["scaler"] = scaler.state_dict()
         save_checkpoint(out, model, state, records, t.keep_last, t.keep_best)
         progress.checkpoints = [[r.step, r.bleu] for r in records]
 
     def validate() -> bool:
-        """Dev loss, perplexity and greedy BLEU; saves weights and a checkpoint.
-        Returns True when early stopping says stop."""
+        """Validate on rank 0 (the others wait); returns True when early stopping says stop.
+        Rank 0 passes its decisions on: stop, and the plateau lr scale."""
+        progress.last_validated = progress.step
+        stop = validate_main() if ranks.is_main else False
+        if ranks.world > 1:
+            scale = progress.plateau_scale if ranks.is_main else 0.0
+            stop_sum, progress.plateau_scale = ranks.sum([float(stop), scale])
+            stop = stop_sum > 0
+        return stop
+
+    def validate_main() -> bool:
+        """Dev loss, perplexity and greedy BLEU; saves weights and a checkpoint."""
         p = progress
-        p.last_validated = p.step
         loss = dev_loss(model, dev_data, t.eval_batch_tokens, device)
         hyps = translate_lines(
             model, tokenizer, dev_text.src, search_options(cfg.decode, t.eval_beam),
@@ -428,14 +490,20 @@ def train(
         )
         return p.bad_validations >= t.patience
 
+    def autocast() -> contextlib.AbstractContextManager[Any]:
+        if autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=autocast_dtype)
+
     stop_reason = "max_epochs"
     window_tokens, window_start = 0, time.time()
+    window_positions, window_real = 0.0, 0.0
     bar = tqdm(
         total=t.max_steps,
         initial=progress.step,
         desc="train",
         unit="step",
-        disable=quiet or None,
+        disable=quiet or not ranks.is_main or None,
         file=sys.stderr,
     )
     p = progress
@@ -445,9 +513,10 @@ def train(
     with StopSignals() as signals:
         while not done and p.epoch <= t.max_epochs:
             batches = sampler.epoch(p.epoch)
-            while p.batch_in_epoch < len(batches):
-                idx = batches[p.batch_in_epoch]
-                p.batch_in_epoch += 1
+            # One step takes one batch per rank; a remainder too small for every rank is left.
+            while p.batch_in_epoch + ranks.world <= len(batches):
+                idx = batches[p.batch_in_epoch + ranks.rank]
+                p.batch_in_epoch += ranks.world
                 batch = collate(
                     [train_data.src[i] for i in idx],
                     [train_data.tgt[i] for i in idx],
@@ -460,14 +529,40 @@ def train(
                 lr = learning_rate(p.step + 1, cfg, p.plateau_scale)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
-                loss_sum, n_tokens = model.loss(batch, tf, t.label_smoothing, tf_generator)
-                loss = loss_sum / n_tokens
+                if ranks.world > 1:
+                    torch.manual_seed(distributed.step_seed(t.seed, ranks.rank, p.step))
+                    tf_generator.manual_seed(distributed.step_seed(t.seed + 1, ranks.rank, p.step))
+                n_tokens = batch.n_tokens
+                positions = batch.src.numel() + batch.tgt_out.numel()
+                real = n_tokens + int((~batch.src_pad_mask).sum())
+                # Every rank normalises by the tokens of all ranks; DDP's mean of the ranks'
+                # gradients is then the gradient of the loss per token of the whole step.
+                step_tokens, step_positions, step_real = ranks.sum(
+                    [float(n_tokens), float(positions), float(real)]
+                )
+                with autocast():
+                    loss_sum, _ = step_model(batch, tf, t.label_smoothing, tf_generator)
+                if ranks.world == 1:
+                    loss = loss_sum / n_tokens
+                else:
+                    loss = loss_sum * (ranks.world / step_tokens)
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                scaler.scale(loss).backward()
+                scaler.unscale_(optimizer)
                 grad_norm = torch.nn.utils.clip_grad_norm_(
                     model.parameters(), t.clip_grad_norm if t.clip_grad_norm > 0 else math.inf
                 )
-                if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
+                step_loss, signalled = ranks.sum(
+                    [float(loss_sum.detach()), float(signals.signum is not None)]
+                )
+                loss_finite = math.isfinite(step_loss)
+                if loss_finite and scaler.is_enabled() and not torch.isfinite(grad_norm):
+                    # fp16 overflow: the scaler skips this update and lowers its scale.
+                    scaler.step(optimizer)
+                    scaler.update()
+                    p.skipped_steps += 1
+                    log.event("fp16_overflow", None, step=p.step + 1, scale=scaler.get_scale())
+                elif not (loss_finite and torch.isfinite(grad_norm)):
                     # Skip the update: one bad batch must not poison the weights.
                     p.bad_steps_in_a_row += 1
                     p.skipped_steps += 1
@@ -485,17 +580,24 @@ def train(
                             f"{p.step + 1}; try a lower train.lr or train.clip_grad_norm"
                         )
                 else:
-                    optimizer.step()
+                    scaler.step(optimizer)
+                    scaler.update()
                     p.step += 1
                     p.bad_steps_in_a_row = 0
-                    window_tokens += n_tokens
+                    window_tokens += int(step_tokens)
+                    window_positions += step_positions
+                    window_real += step_real
                     bar.update(1)
                     if p.step % t.log_every == 0 or p.step == 1:
                         now = time.time()
-                        tok_s = window_tokens / max(now - window_start, 1e-9)
+                        seconds = now - window_start
+                        tok_s = window_tokens / max(seconds, 1e-9)
+                        padding = 1.0 - window_real / max(window_positions, 1.0)
+                        log_tokens = window_tokens
                         window_tokens, window_start = 0, now
+                        window_positions, window_real = 0.0, 0.0
                         bar.set_postfix(
-                            loss=f"{loss.item():.3f}",
+                            loss=f"{step_loss / step_tokens:.3f}",
                             lr=f"{lr:.1e}",
                             tok_s=f"{tok_s:.0f}",
                             tf=f"{tf:.2f}",
@@ -505,20 +607,24 @@ def train(
                             None,
                             step=p.step,
                             epoch=p.epoch,
-                            loss=loss.item(),
+                            loss=step_loss / step_tokens,
                             lr=lr,
                             tokens_per_s=round(tok_s, 1),
+                            tokens=log_tokens,
+                            seconds=round(seconds, 4),
+                            padding=round(padding, 4),
                             teacher_forcing=tf,
                         )
                     if p.step % t.eval_every == 0 and validate():
                         stop_reason, done = "early_stopping", True
                     elif p.step >= t.max_steps:
                         stop_reason, done = "max_steps", True
-                if signals.signum is not None:
-                    if p.last_validated != p.step:
+                if signalled:
+                    if p.last_validated != p.step and ranks.is_main:
                         checkpoint_now(None)
                     bar.close()
-                    name = signal.Signals(signals.signum).name
+                    signum = signals.signum or signal.SIGTERM  # another rank was signalled
+                    name = signal.Signals(signum).name
                     log.event(
                         "interrupted",
                         f"{name} at step {p.step}: checkpoint saved; continue with --resume",
@@ -526,7 +632,7 @@ def train(
                         signal=name,
                     )
                     log.close()
-                    raise TrainingInterrupted(signals.signum, p.step)
+                    raise TrainingInterrupted(signum, p.step)
                 if done:
                     break
             if not done:
@@ -535,7 +641,7 @@ def train(
     bar.close()
     if p.last_validated != p.step:
         validate()
-    if cfg.data.test is not None and (out / BEST_FILE).is_file():
+    if ranks.is_main and cfg.data.test is not None and (out / BEST_FILE).is_file():
         test_with_best(model, tokenizer, cfg, out, device, log)
     summary = {
         "steps": p.step,

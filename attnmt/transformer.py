@@ -17,7 +17,9 @@ from torch import nn
 from attnmt.attention import MultiHeadAttention, additive_mask
 from attnmt.config import ModelConfig
 from attnmt.data import Batch
-from attnmt.model import AttentionSpec, Seq2Seq, gold_coins, sequence_loss
+from attnmt.model import AttentionSpec, Seq2Seq, gold_coins
+from attnmt.ops import Dropout, linear_cross_entropy
+from attnmt.tokenizer import PAD_ID
 
 
 def sinusoid_table(length: int, dim: int, offset: int = 0) -> torch.Tensor:
@@ -38,7 +40,7 @@ class Embeddings(nn.Module):
         super().__init__()
         self.embed = embed
         self.scale = math.sqrt(embed.embedding_dim)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.register_buffer("pe", sinusoid_table(512, embed.embedding_dim), persistent=False)
 
     def forward(self, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:
@@ -59,7 +61,7 @@ class FeedForward(nn.Module):
         super().__init__()
         self.w_1 = nn.Linear(d_model, ff_size)
         self.w_2 = nn.Linear(ff_size, d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w_2(self.dropout(torch.relu(self.w_1(x))))
@@ -71,7 +73,7 @@ class Residual(nn.Module):
     def __init__(self, d_model: int, dropout: float, pre_norm: bool) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.pre_norm = pre_norm
 
     def normed_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -224,15 +226,23 @@ class TransformerSeq2Seq(Seq2Seq):
         cross = [layer.cross_attn.project_kv(x, x) for layer in self.decoder_layers]
         return TransformerMemory(x, mask, cross)
 
-    def decode_all(
+    def decode_hidden(
         self, memory: TransformerMemory, tgt_in: torch.Tensor, need_weights: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits for every position of tgt_in (B, T) at once: (B, T, V), last cross weights."""
+        """Every position of tgt_in (B, T) at once, up to the output projection: (B, T, d),
+        and the last layer's cross-attention weights if asked for."""
         x = self.tgt_embed(tgt_in)  # (B, T, d)
         weights = None
         for layer, (k, v) in zip(self.decoder_layers, memory.cross, strict=True):
             x, weights = layer(x, k, v, memory.src_mask, need_weights=need_weights)
-        return self.output(self.dec_norm(x)), weights  # (B, T, V)
+        return self.dec_norm(x), weights
+
+    def decode_all(
+        self, memory: TransformerMemory, tgt_in: torch.Tensor, need_weights: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits for every position of tgt_in (B, T) at once: (B, T, V), last cross weights."""
+        h, weights = self.decode_hidden(memory, tgt_in, need_weights)
+        return self.output(h), weights  # (B, T, V)
 
     def init_state(self, memory: TransformerMemory) -> TransformerState:
         k = memory.cross[0][0]
@@ -297,5 +307,5 @@ class TransformerSeq2Seq(Seq2Seq):
             use_gold[:, 0] = True  # BOS is always given
             shifted = torch.cat([tgt_in[:, :1], predicted[:, :-1]], dim=1)  # (B, T)
             tgt_in = torch.where(use_gold, tgt_in, shifted)
-        logits, _ = self.decode_all(memory, tgt_in)  # (B, T, V)
-        return sequence_loss(logits, batch.tgt_out, label_smoothing)
+        h, _ = self.decode_hidden(memory, tgt_in)  # (B, T, d)
+        return linear_cross_entropy(h, self.output.weight, batch.tgt_out, PAD_ID, label_smoothing)

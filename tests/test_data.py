@@ -63,16 +63,28 @@ def test_token_batches_respect_budget():
 
 def test_sampler_is_deterministic_covers_everything_and_reshuffles():
     tgt = [(i * 7) % 13 + 1 for i in range(200)]
-    src = [(i * 5) % 11 + 1 for i in range(200)]
+    src = [t + i % 3 for i, t in enumerate(tgt)]  # correlated with tgt, as in real corpora
     s = BucketSampler(src, tgt, batch_tokens=40, seed=3, bucket_batches=4)
     e1, e1_again, e2 = s.epoch(1), s.epoch(1), s.epoch(2)
     assert e1 == e1_again
     assert e1 != e2
     assert sorted(i for b in e1 for i in b) == list(range(200))
-    # Bucketing keeps padding low: most padded positions are real tokens.
-    real = sum(tgt)
-    padded = sum(max(tgt[i] for i in b) * len(b) for b in e1)
-    assert real / padded > 0.8
+    # Bucketing keeps padding low on both sides: most padded positions are real tokens.
+    for side in (src, tgt):
+        real = sum(side)
+        padded = sum(max(side[i] for i in b) * len(b) for b in e1)
+        assert real / padded > 0.8
+    # A batch's size counts the longer side of each pair.
+    longer = [max(s_, t) for s_, t in zip(src, tgt)]
+    assert all(len(b) == 1 or max(longer[i] for i in b) * len(b) <= 40 for b in e1)
+
+
+def test_sampler_caps_sentences_per_batch():
+    lengths = [3] * 100
+    s = BucketSampler(lengths, lengths, batch_tokens=10_000, seed=1, max_sentences=16)
+    batches = s.epoch(1)
+    assert max(len(b) for b in batches) == 16
+    assert sorted(i for b in batches for i in b) == list(range(100))
 
 
 def test_line_counting(tmp_path: Path):
