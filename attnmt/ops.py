@@ -38,27 +38,34 @@ def drop_mask(shape: tuple[int, ...], p: float, device: torch.device) -> torch.T
     return (lanes < threshold).view(-1)[:numel].view(shape)
 
 
-def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """Inverted dropout: zero each element with probability p, scale the rest by 1 / (1 - p)."""
+def dropout(x: torch.Tensor, p: float, training: bool, inplace: bool = False) -> torch.Tensor:
+    """Inverted dropout: zero each element with probability p, scale the rest by 1 / (1 - p).
+
+    inplace=True overwrites x, saving a copy; only for tensors that autograd does not keep for
+    a backward pass (a linear layer's output, not a softmax's or tanh's).
+    """
     if not training or p == 0.0:
         return x
     if x.device.type != "cpu":
-        return F.dropout(x, p, True)
-    return x.masked_fill(drop_mask(tuple(x.shape), p, x.device), 0.0).mul_(1.0 / (1.0 - p))
+        return F.dropout(x, p, True, inplace)
+    mask = drop_mask(tuple(x.shape), p, x.device)
+    y = x.masked_fill_(mask, 0.0) if inplace else x.masked_fill(mask, 0.0)
+    return y.mul_(1.0 / (1.0 - p))
 
 
 class Dropout(nn.Module):
     """nn.Dropout with the cheaper CPU mask of `dropout`."""
 
-    def __init__(self, p: float) -> None:
+    def __init__(self, p: float, inplace: bool = False) -> None:
         super().__init__()
         self.p = p
+        self.inplace = inplace
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dropout(x, self.p, self.training)
+        return dropout(x, self.p, self.training, self.inplace)
 
     def extra_repr(self) -> str:
-        return f"p={self.p}"
+        return f"p={self.p}, inplace={self.inplace}"
 
 
 # --- output projection + label-smoothed cross-entropy ---

@@ -40,7 +40,7 @@ class Embeddings(nn.Module):
         super().__init__()
         self.embed = embed
         self.scale = math.sqrt(embed.embedding_dim)
-        self.dropout = Dropout(dropout)
+        self.dropout = Dropout(dropout, inplace=True)  # on a sum autograd does not keep
         self.register_buffer("pe", sinusoid_table(512, embed.embedding_dim), persistent=False)
 
     def forward(self, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:
@@ -61,10 +61,13 @@ class FeedForward(nn.Module):
         super().__init__()
         self.w_1 = nn.Linear(d_model, ff_size)
         self.w_2 = nn.Linear(ff_size, d_model)
-        self.dropout = Dropout(dropout)
+        self.dropout = Dropout(dropout, inplace=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_2(self.dropout(torch.relu(self.w_1(x))))
+        # dropout before ReLU equals dropout after it (both zero or scale by a positive
+        # number), and before it both can work in place on w_1's output, which autograd
+        # does not keep: two fewer copies of the widest activation.
+        return self.w_2(torch.relu_(self.dropout(self.w_1(x))))
 
 
 class Residual(nn.Module):
@@ -73,7 +76,7 @@ class Residual(nn.Module):
     def __init__(self, d_model: int, dropout: float, pre_norm: bool) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(d_model)
-        self.dropout = Dropout(dropout)
+        self.dropout = Dropout(dropout, inplace=True)  # on sublayer outputs: linear layers
         self.pre_norm = pre_norm
 
     def normed_input(self, x: torch.Tensor) -> torch.Tensor:

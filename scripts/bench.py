@@ -1,6 +1,8 @@
 #!/usr/bin/env python
 """Benchmarks (figures for the README and issues; never timed in unit tests).
 
+    python scripts/bench.py train [--data DIR] [--steps 200] [--warmup 50] [--configs T,R]
+                                  [--threads 2] [--set KEY=VALUE ...]
     python scripts/bench.py decode --model DIR [--model DIR ...] [--data DIR] [--runs N]
                                    [--beams 1,5] [--batch-sentences 64] [--max-len 60]
                                    [--threads 2]
@@ -11,18 +13,32 @@ OpenNMT-py: batches of 64 sentences, at most 60 output pieces, GNMT length penal
 threads, model loading excluded. Prints one JSON line per (model, beam) with the median over
 --runs runs of sentences/s and output pieces/s (EOS excluded), the mean output length, and
 BLEU/chrF with sacreBLEU signatures.
+
+train: trains each config under test (T: Transformer 3+3, d256, 4 heads, FF 1024, ~4,096-token
+batches; R: bi-GRU 256 per direction + GRU decoder with Bahdanau attention, 64 sentences per
+batch; both as in ../shared/peers) for --steps steps on Multi30k de-en with `attnmt train`, one
+child process per config, and prints one JSON line per config: tokens_per_s (target tokens per
+second, median over the steps after --warmup), tokens_per_s_wall (their sum over the summed
+step times), padding (share of padded source + target positions), model_gflops (6 x
+parameters x tokens_per_s), peak_gflops (best fp32 square-matmul rate measured in this process
+with the same threads), peak_share, max_rss_mb (the child's peak resident memory).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
+import yaml
 
 from attnmt.checkpoint import load_model_dir
 from attnmt.data import read_lines
@@ -80,6 +96,122 @@ def bench_decode(args: argparse.Namespace) -> None:
             )
 
 
+# The configs under test, matching ../shared/peers/configs/onmt_{T,R}.yaml (see the README).
+TRAIN_CONFIGS: dict[str, dict[str, Any]] = {
+    "T": {
+        "model": {
+            "arch": "transformer", "hidden_size": 256, "heads": 4, "ff_size": 1024,
+            "enc_layers": 3, "dec_layers": 3, "dropout": 0.1, "attention_dropout": 0.1,
+            "norm": "pre", "tie_embeddings": True,
+        },
+        "train": {
+            "batch_tokens": 4096, "lr": 0.001, "lr_schedule": "inverse_sqrt",
+            "warmup_steps": 800, "label_smoothing": 0.1, "adam_betas": [0.9, 0.98],
+        },
+    },
+    "R": {
+        "model": {
+            "arch": "rnn", "emb_size": 256, "hidden_size": 256, "enc_layers": 1,
+            "dec_layers": 1, "attention": "bahdanau", "dropout": 0.2, "tie_embeddings": False,
+        },
+        "train": {
+            "batch_tokens": 100_000, "batch_sentences": 64, "lr": 0.0003,
+            "lr_schedule": "constant", "warmup_steps": 0, "label_smoothing": 0.0,
+            "clip_grad_norm": 5.0, "adam_betas": [0.9, 0.999],
+        },
+    },
+}  # fmt: skip
+
+
+def matmul_peak_gflops(threads: int, sizes: tuple[int, ...] = (1024, 2048), reps: int = 5) -> float:
+    """Best fp32 GFLOP/s of square matmuls on the CPU with `threads` threads."""
+    torch.set_num_threads(threads)
+    best = 0.0
+    for n in sizes:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b  # warm-up
+        for _ in range(reps):
+            start = time.perf_counter()
+            a @ b
+            best = max(best, 2 * n**3 / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def bench_train(args: argparse.Namespace) -> None:
+    data = args.data.absolute()
+    for name in args.configs:
+        with tempfile.TemporaryDirectory(prefix=f"attnmt-bench-{name}-") as tmp:
+            work = Path(tmp)
+            # A small dev set: validation (once, after the last step) is not what is measured.
+            dev_src, dev_tgt = work / "dev.de", work / "dev.en"
+            dev_src.write_text("\n".join(read_lines(data / "val.de.gz")[:50]) + "\n")
+            dev_tgt.write_text("\n".join(read_lines(data / "val.en.gz")[:50]) + "\n")
+            cfg = {
+                "data": {
+                    "train": {"src": str(data / "train.de.gz"), "tgt": str(data / "train.en.gz")},
+                    "dev": {"src": str(dev_src), "tgt": str(dev_tgt)},
+                    "max_len": 100,
+                },
+                "tokenizer": {"vocab_size": 8000, "joint": True},
+                "model": TRAIN_CONFIGS[name]["model"],
+                "train": {
+                    **TRAIN_CONFIGS[name]["train"],
+                    "max_steps": args.steps,
+                    "eval_every": args.steps + 1,
+                    "log_every": 1,
+                    "threads": args.threads,
+                    "device": "cpu",
+                    "seed": 1234,
+                },
+            }
+            (work / "config.yaml").write_text(yaml.safe_dump(cfg))
+            peak = matmul_peak_gflops(args.threads)
+            cmd = [sys.executable, "-m", "attnmt", "train", "--config", str(work / "config.yaml")]
+            cmd += ["--out", str(work / "model"), "--quiet"]
+            for assignment in args.set:
+                cmd += ["--set", assignment]
+            env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+            child = subprocess.Popen(cmd, env=env)
+            _, status, usage = os.wait4(child.pid, 0)
+            if status != 0:
+                raise SystemExit(f"bench train {name}: attnmt train failed ({status})")
+            events = [
+                json.loads(line)
+                for line in (work / "model" / "train_log.jsonl").read_text().splitlines()
+            ]
+        params = next(e["parameters"] for e in events if e["event"] == "model")
+        steps = [e for e in events if e["event"] == "train" and e["step"] > args.warmup]
+        rates = [e["tokens"] / e["seconds"] for e in steps]
+        tokens = sum(e["tokens"] for e in steps)
+        seconds = sum(e["seconds"] for e in steps)
+        tok_s = statistics.median(rates)
+        padding = statistics.mean(e["padding"] for e in steps)
+        model_gflops = 6 * params * tok_s / 1e9
+        print(
+            json.dumps(
+                {
+                    "bench": "train",
+                    "config": name,
+                    "arch": cfg["model"]["arch"],
+                    "parameters": params,
+                    "steps_measured": len(steps),
+                    "tokens_per_step": round(tokens / len(steps), 1),
+                    "tokens_per_s": round(tok_s, 1),
+                    "tokens_per_s_wall": round(tokens / seconds, 1),
+                    "seconds_per_step": round(seconds / len(steps), 3),
+                    "padding": round(padding, 4),
+                    "model_gflops": round(model_gflops, 1),
+                    "peak_gflops": round(peak, 1),
+                    "peak_share": round(model_gflops / peak, 3),
+                    "max_rss_mb": round(usage.ru_maxrss / 1024, 1),
+                    "threads": args.threads,
+                    "overrides": args.set,
+                }
+            ),
+            flush=True,
+        )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -93,9 +225,24 @@ def main() -> int:
     d.add_argument("--batch-sentences", type=int, default=64)
     d.add_argument("--max-len", type=int, default=60, help="output pieces at most")
     d.add_argument("--threads", type=int, default=2)
+    t = sub.add_parser("train", help="training speed on Multi30k de-en")
+    t.add_argument("--data", type=Path, default=Path("data/multi30k"), help="Multi30k folder")
+    t.add_argument("--steps", type=int, default=200, help="training steps per config")
+    t.add_argument("--warmup", type=int, default=50, help="steps left out of the figures")
+    t.add_argument(
+        "--configs", type=lambda s: s.split(","), default=["T", "R"], help="e.g. T,R or T"
+    )
+    t.add_argument("--threads", type=int, default=2)
+    t.add_argument(
+        "--set", action="append", default=[], help="extra config override, e.g. train.compile=true"
+    )
     args = ap.parse_args()
     if args.what == "decode":
         bench_decode(args)
+    elif args.what == "train":
+        if not 0 <= args.warmup < args.steps:
+            ap.error("--warmup must be below --steps")
+        bench_train(args)
     return 0
 
 
