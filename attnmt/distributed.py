@@ -39,6 +39,16 @@ class Ranks:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t.tolist()
 
+    def weights_identical(self, model: torch.nn.Module) -> bool:
+        """Whether every rank holds the same weights (compares a float64 checksum): DDP keeps
+        them in step, and a difference means the ranks went out of sync."""
+        if self.world == 1:
+            return True
+        total = sum(float(p.detach().double().sum()) for p in model.parameters())
+        t = torch.tensor([total, -total], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t[0] == -t[1])
+
     def shutdown(self) -> None:
         if self.world > 1 and dist.is_initialized():
             dist.destroy_process_group()

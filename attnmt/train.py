@@ -440,6 +440,15 @@ def _train(
         """Validate on rank 0 (the others wait); returns True when early stopping says stop.
         Rank 0 passes its decisions on: stop, and the plateau lr scale."""
         progress.last_validated = progress.step
+        if ranks.world > 1:
+            same = ranks.weights_identical(model)
+            log.event(
+                "ranks",
+                None if same else f"step {progress.step}: the ranks' weights differ",
+                step=progress.step,
+                world=ranks.world,
+                weights_identical=same,
+            )
         stop = validate_main() if ranks.is_main else False
         if ranks.world > 1:
             scale = progress.plateau_scale if ranks.is_main else 0.0

@@ -18,7 +18,7 @@ from attnmt.attention import MultiHeadAttention, additive_mask
 from attnmt.config import ModelConfig
 from attnmt.data import Batch
 from attnmt.model import AttentionSpec, Seq2Seq, gold_coins
-from attnmt.ops import Dropout, linear_cross_entropy
+from attnmt.ops import Dropout, dropout_add, linear_cross_entropy
 from attnmt.tokenizer import PAD_ID
 
 
@@ -64,10 +64,15 @@ class FeedForward(nn.Module):
         self.dropout = Dropout(dropout, inplace=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # dropout before ReLU equals dropout after it (both zero or scale by a positive
-        # number), and before it both can work in place on w_1's output, which autograd
-        # does not keep: two fewer copies of the widest activation.
-        return self.w_2(torch.relu_(self.dropout(self.w_1(x))))
+        """x (..., d) -> (..., d)."""
+        shape = x.shape
+        # Dropout before ReLU equals dropout after it (both zero or scale by a positive
+        # number), and before it both can work in place on w_1's output, which autograd does
+        # not keep: two fewer copies of the widest activation. On 2-D rows, so that w_1's
+        # output is a tensor of its own, not a view (see ops.dropout).
+        h = self.w_1(x.reshape(-1, shape[-1]))  # (N, ff)
+        h = torch.relu_(self.dropout(h))  # (N, ff)
+        return self.w_2(h).view(shape)  # (..., d)
 
 
 class Residual(nn.Module):
@@ -76,7 +81,7 @@ class Residual(nn.Module):
     def __init__(self, d_model: int, dropout: float, pre_norm: bool) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(d_model)
-        self.dropout = Dropout(dropout, inplace=True)  # on sublayer outputs: linear layers
+        self.p = dropout
         self.pre_norm = pre_norm
 
     def normed_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,7 +90,7 @@ class Residual(nn.Module):
 
     def add(self, x: torch.Tensor, sublayer_out: torch.Tensor) -> torch.Tensor:
         """Add the sublayer's output back onto the residual stream."""
-        y = x + self.dropout(sublayer_out)
+        y = dropout_add(x, sublayer_out, self.p, self.training)  # x + dropout(sublayer_out)
         return y if self.pre_norm else self.norm(y)
 
 

@@ -75,7 +75,7 @@ def test_sampler_is_deterministic_covers_everything_and_reshuffles():
         padded = sum(max(side[i] for i in b) * len(b) for b in e1)
         assert real / padded > 0.8
     # A batch's size counts the longer side of each pair.
-    longer = [max(s_, t) for s_, t in zip(src, tgt)]
+    longer = [max(s_, t) for s_, t in zip(src, tgt, strict=True)]
     assert all(len(b) == 1 or max(longer[i] for i in b) * len(b) <= 40 for b in e1)
 
 

@@ -1,0 +1,72 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnmt.ops import Dropout, dropout, dropout_scale, linear_cross_entropy
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("chunk", [3, 512])
+def test_linear_cross_entropy_matches_plain_ops(smoothing: float, chunk: int):
+    torch.manual_seed(0)
+    h = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)  # (B, T, d)
+    w = torch.randn(11, 8, dtype=torch.float64, requires_grad=True)  # (V, d)
+    target = torch.randint(1, 11, (2, 5))
+    target[0, 3:] = 0  # padding
+    ref = F.cross_entropy(
+        F.linear(h, w).reshape(-1, 11), target.reshape(-1), ignore_index=0,
+        label_smoothing=smoothing, reduction="sum",
+    )  # fmt: skip
+    ref_gh, ref_gw = torch.autograd.grad(ref * 0.7, (h, w))
+    loss, n = linear_cross_entropy(h, w, target, 0, smoothing, chunk=chunk)
+    gh, gw = torch.autograd.grad(loss * 0.7, (h, w))
+    assert n == 8
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(gh, ref_gh)
+    torch.testing.assert_close(gw, ref_gw)
+    # Padded positions get no gradient.
+    assert gh[0, 3:].abs().sum() == 0
+    with torch.no_grad():
+        torch.testing.assert_close(linear_cross_entropy(h, w, target, 0, smoothing)[0], ref)
+
+
+def test_dropout_scale_rate_lanes_and_determinism():
+    torch.manual_seed(1)
+    m = dropout_scale((1000, 301), 0.1)
+    assert m.shape == (1000, 301) and m.dtype == torch.float32
+    assert torch.allclose(m.unique(), torch.tensor([0.0, 1 / 0.9]))
+    assert abs((m == 0).float().mean().item() - 0.1) < 0.003
+    torch.manual_seed(1)
+    assert torch.equal(dropout_scale((1000, 301), 0.1), m)
+    # Each of the four 16-bit lanes of a random word drops at the rate p, the top one too.
+    lanes = (m.reshape(-1)[: 4 * 60_000] == 0).reshape(-1, 4).float().mean(0)
+    assert ((lanes - 0.1).abs() < 0.006).all(), lanes
+    assert (dropout_scale((64,), 0.0) == 1.0).all()
+    assert (dropout_scale((64,), 1.0 - 2**-16) == 0.0).all()
+
+
+def test_dropout_scales_keeps_expectation_and_is_identity_in_eval():
+    torch.manual_seed(2)
+    x = torch.ones(200_000)
+    y = dropout(x, 0.25, training=True)
+    zeros = (y == 0).float().mean().item()
+    assert abs(zeros - 0.25) < 0.01
+    assert torch.allclose(y[y != 0], torch.full_like(y[y != 0], 1 / 0.75))
+    assert abs(y.mean().item() - 1.0) < 0.01
+    assert dropout(x, 0.25, training=False) is x
+    module = Dropout(0.5).eval()
+    assert module(x) is x
+
+
+def test_inplace_dropout_equals_copying_dropout_and_backpropagates():
+    x = torch.randn(50, 40, requires_grad=True)
+    torch.manual_seed(3)
+    a = dropout(x * 2, 0.3, True)
+    a.sum().backward()
+    grad_copy = x.grad.clone()
+    x.grad = None
+    torch.manual_seed(3)
+    b = dropout(x * 2, 0.3, True, inplace=True)
+    b.sum().backward()
+    assert torch.equal(a, b)
+    assert torch.equal(grad_copy, x.grad)
