@@ -17,6 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+
+def _use_plain_ops(x: torch.Tensor) -> bool:
+    """Off the CPU the plain ops are fast; under torch.compile the compiler fuses them itself
+    (and our NumPy draws would break its graph)."""
+    return x.device.type != "cpu" or torch.compiler.is_compiling()
+
+
 # --- dropout ---
 
 
@@ -46,7 +53,7 @@ def dropout(x: torch.Tensor, p: float, training: bool, inplace: bool = False) ->
     """
     if not training or p == 0.0:
         return x
-    if x.device.type != "cpu":
+    if _use_plain_ops(x):
         return F.dropout(x, p, True, inplace)
     scale = dropout_scale(tuple(x.shape), p).to(x.dtype)
     # A multiply by a saved float mask: one pass forward and one backward (masked_fill and a
@@ -59,7 +66,7 @@ def dropout_add(x: torch.Tensor, y: torch.Tensor, p: float, training: bool) -> t
     """x + dropout(y), the residual connection: on CPU one fused pass (addcmul)."""
     if not training or p == 0.0:
         return x + y
-    if x.device.type != "cpu":
+    if _use_plain_ops(x):
         return x + F.dropout(y, p, True)
     scale = dropout_scale(tuple(y.shape), p).to(y.dtype)
     return torch.addcmul(x, y, scale)
@@ -172,7 +179,7 @@ def linear_cross_entropy(
     h = hidden.reshape(-1, d)[keep]  # (n, d): padding never reaches the projection
     t = target.reshape(-1)[keep]  # (n,)
     n = int(t.numel())
-    if hidden.device.type != "cpu" or torch.is_autocast_enabled():
+    if _use_plain_ops(hidden) or torch.is_autocast_enabled("cpu"):
         logits = F.linear(h, weight).float()  # (n, V)
         loss = F.cross_entropy(logits, t, label_smoothing=label_smoothing, reduction="sum")
         return loss, n

@@ -256,3 +256,28 @@ def test_kill_9_never_breaks_the_model_directory(tmp_path: Path, corpus):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert events(out)[-1]["steps"] == before + 2
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_trains(tmp_path: Path, corpus, precision):
+    raw = config(corpus, max_steps=6, eval_every=6, precision=precision)
+    summary = train(from_dict(raw), tmp_path / "m", quiet=True)
+    assert summary["steps"] == 6
+    _, _, model = load_model_dir(tmp_path / "m")
+    assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in model.parameters())
+    assert "bf16" in (tmp_path / "m" / "train.log").read_text() or precision == "fp16"
+
+
+def test_compiled_step_matches_eager(tmp_path: Path, corpus):
+    # No dropout: the compiled graph draws its own masks, so only then are the runs comparable.
+    raw = config(corpus, "rnn", max_steps=3, eval_every=3)
+    raw["model"]["dropout"] = 0.0
+    raw["train"]["teacher_forcing"] = {"schedule": "constant", "start": 1.0}
+    train(from_dict(raw), tmp_path / "eager", quiet=True)
+    raw["train"]["compile"] = True
+    train(from_dict(raw), tmp_path / "compiled", quiet=True)
+    losses = [
+        next(e["dev_loss"] for e in events(tmp_path / d) if e["event"] == "validation")
+        for d in ("eager", "compiled")
+    ]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-4)
