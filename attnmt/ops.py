@@ -27,9 +27,9 @@ def _use_plain_ops(x: torch.Tensor) -> bool:
 # --- dropout ---
 
 
-def dropout_scale(shape: tuple[int, ...], p: float) -> torch.Tensor:
-    """CPU float tensor of `shape`: 0 with probability p, else 1 / (1 - p). Multiplying by it
-    is inverted dropout.
+def keep_mask(shape: tuple[int, ...], p: float) -> torch.Tensor:
+    """CPU float tensor of `shape`: 0 (drop) with probability p, else 1. Float, not bool:
+    multiplying by a bool tensor converts it to float on every use, a copy each time.
 
     `bernoulli_` draws one random number per element from torch's Mersenne Twister, slowly. Here
     one draw from torch's global generator (seeded by train.seed, saved in checkpoints) seeds
@@ -42,7 +42,13 @@ def dropout_scale(shape: tuple[int, ...], p: float) -> torch.Tensor:
     words = np.random.PCG64DXSM(seed).random_raw((numel + 3) // 4)  # (W,) uint64
     lanes = torch.from_numpy(words.view(np.int16))[:numel]  # (numel,) uniform in [-2^15, 2^15)
     threshold = round(p * 65536) - 32768
-    return torch.where(lanes < threshold, 0.0, 1.0 / (1.0 - p)).view(shape)
+    return (lanes >= threshold).to(torch.float32).view(shape)
+
+
+def dropout_scale(shape: tuple[int, ...], p: float) -> torch.Tensor:
+    """CPU float tensor of `shape`: 0 with probability p, else 1 / (1 - p) (see keep_mask).
+    Multiplying by it is inverted dropout."""
+    return keep_mask(shape, p).mul_(1.0 / (1.0 - p))
 
 
 def dropout(x: torch.Tensor, p: float, training: bool, inplace: bool = False) -> torch.Tensor:
@@ -68,8 +74,27 @@ def dropout_add(x: torch.Tensor, y: torch.Tensor, p: float, training: bool) -> t
         return x + y
     if _use_plain_ops(x):
         return x + F.dropout(y, p, True)
-    scale = dropout_scale(tuple(y.shape), p).to(y.dtype)
-    return torch.addcmul(x, y, scale)
+    # The scale rides along as addcmul's `value`.
+    return torch.addcmul(x, y, keep_mask(tuple(y.shape), p), value=1.0 / (1.0 - p))
+
+
+def relu_dropout_linear(
+    h: torch.Tensor, linear: nn.Linear, p: float, training: bool
+) -> torch.Tensor:
+    """linear(dropout(relu(h))) for h (N, d_in), the inner half of a feed-forward block.
+
+    On CPU: dropout before ReLU equals dropout after it, so both work in place on h (which must
+    be a fresh tensor that autograd does not keep, e.g. another linear layer's output), and the
+    1 / (1 - p) scale moves into the matmul's alpha: one pass over the widest activation for
+    dropout instead of three.
+    """
+    if not training or p == 0.0 or _use_plain_ops(h) or h._base is not None:
+        return linear(dropout(torch.relu(h), p, training))
+    h = torch.relu_(h.mul_(keep_mask(tuple(h.shape), p)))  # (N, d_in)
+    scale = 1.0 / (1.0 - p)
+    if linear.bias is None:
+        return torch.mm(h, linear.weight.t()) * scale
+    return torch.addmm(linear.bias, h, linear.weight.t(), alpha=scale)  # (N, d_out)
 
 
 class Dropout(nn.Module):

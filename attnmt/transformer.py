@@ -18,7 +18,7 @@ from attnmt.attention import MultiHeadAttention, additive_mask
 from attnmt.config import ModelConfig
 from attnmt.data import Batch
 from attnmt.model import AttentionSpec, Seq2Seq, gold_coins
-from attnmt.ops import Dropout, dropout_add, linear_cross_entropy
+from attnmt.ops import Dropout, dropout_add, linear_cross_entropy, relu_dropout_linear
 from attnmt.tokenizer import PAD_ID
 
 
@@ -61,18 +61,15 @@ class FeedForward(nn.Module):
         super().__init__()
         self.w_1 = nn.Linear(d_model, ff_size)
         self.w_2 = nn.Linear(ff_size, d_model)
-        self.dropout = Dropout(dropout, inplace=True)
+        self.p = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., d) -> (..., d)."""
         shape = x.shape
-        # Dropout before ReLU equals dropout after it (both zero or scale by a positive
-        # number), and before it both can work in place on w_1's output, which autograd does
-        # not keep: two fewer copies of the widest activation. On 2-D rows, so that w_1's
-        # output is a tensor of its own, not a view (see ops.dropout).
+        # On 2-D rows, so that w_1's output is a tensor of its own, not a view, and
+        # relu_dropout_linear may work on it in place.
         h = self.w_1(x.reshape(-1, shape[-1]))  # (N, ff)
-        h = torch.relu_(self.dropout(h))  # (N, ff)
-        return self.w_2(h).view(shape)  # (..., d)
+        return relu_dropout_linear(h, self.w_2, self.p, self.training).view(shape)  # (..., d)
 
 
 class Residual(nn.Module):

@@ -2,7 +2,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnmt.ops import Dropout, dropout, dropout_scale, linear_cross_entropy
+from attnmt.ops import (
+    Dropout,
+    dropout,
+    dropout_scale,
+    keep_mask,
+    linear_cross_entropy,
+    relu_dropout_linear,
+)
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
@@ -70,3 +77,25 @@ def test_inplace_dropout_equals_copying_dropout_and_backpropagates():
     b.sum().backward()
     assert torch.equal(a, b)
     assert torch.equal(grad_copy, x.grad)
+
+
+def test_relu_dropout_linear_equals_the_plain_composition():
+    linear = torch.nn.Linear(12, 5)
+    x = torch.randn(30, 7, requires_grad=True)
+    w_1 = torch.nn.Linear(7, 12)
+    torch.manual_seed(4)
+    fast = relu_dropout_linear(w_1(x), linear, 0.3, True)
+    fast.sum().backward()
+    fast_grads = [x.grad.clone(), linear.weight.grad.clone(), w_1.weight.grad.clone()]
+    for t in (x, linear.weight, w_1.weight, linear.bias, w_1.bias):
+        t.grad = None
+    torch.manual_seed(4)
+    mask = keep_mask((30, 12), 0.3)
+    plain = linear(torch.relu(w_1(x)) * mask / 0.7)
+    plain.sum().backward()
+    torch.testing.assert_close(fast, plain)
+    for a, b in zip(fast_grads, [x.grad, linear.weight.grad, w_1.weight.grad], strict=True):
+        torch.testing.assert_close(a, b)
+    # In eval mode it is the plain composition.
+    h = w_1(x)
+    torch.testing.assert_close(relu_dropout_linear(h, linear, 0.3, False), linear(torch.relu(h)))
