@@ -565,13 +565,17 @@ def _train(
                     [float(loss_sum.detach()), float(signals.signum is not None)]
                 )
                 loss_finite = math.isfinite(step_loss)
-                if loss_finite and scaler.is_enabled() and not torch.isfinite(grad_norm):
-                    # fp16 overflow: the scaler skips this update and lowers its scale.
+                grads_finite = bool(torch.isfinite(grad_norm))
+                if loss_finite and grads_finite:
                     scaler.step(optimizer)
-                    scaler.update()
+                # Every step ends the scaler's cycle (a no-op unless fp16): it lowers the scale
+                # after non-finite gradients, and the next unscale_ requires it.
+                scaler.update()
+                if loss_finite and not grads_finite and scaler.is_enabled():
+                    # fp16 overflow: the update was skipped and the scale lowered; not a bad step.
                     p.skipped_steps += 1
                     log.event("fp16_overflow", None, step=p.step + 1, scale=scaler.get_scale())
-                elif not (loss_finite and torch.isfinite(grad_norm)):
+                elif not (loss_finite and grads_finite):
                     # Skip the update: one bad batch must not poison the weights.
                     p.bad_steps_in_a_row += 1
                     p.skipped_steps += 1
@@ -589,8 +593,6 @@ def _train(
                             f"{p.step + 1}; try a lower train.lr or train.clip_grad_norm"
                         )
                 else:
-                    scaler.step(optimizer)
-                    scaler.update()
                     p.step += 1
                     p.bad_steps_in_a_row = 0
                     window_tokens += int(step_tokens)

@@ -65,7 +65,8 @@ def test_resume_refuses_a_changed_model(tmp_path: Path, corpus):
         train(from_dict(raw), tmp_path / "m", resume=True, quiet=True)
 
 
-def test_nonfinite_steps_are_skipped_then_stop(tmp_path: Path, corpus, monkeypatch):
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_nonfinite_steps_are_skipped_then_stop(tmp_path: Path, corpus, monkeypatch, precision):
     original = TransformerSeq2Seq.loss
     calls = {"n": 0}
 
@@ -75,7 +76,8 @@ def test_nonfinite_steps_are_skipped_then_stop(tmp_path: Path, corpus, monkeypat
         return (loss * float("nan"), n) if calls["n"] in (3, 4) else (loss, n)
 
     monkeypatch.setattr(TransformerSeq2Seq, "loss", flaky_loss)
-    summary = train(from_dict(config(corpus, max_steps=6)), tmp_path / "a", quiet=True)
+    raw = config(corpus, max_steps=6, precision=precision)
+    summary = train(from_dict(raw), tmp_path / "a", quiet=True)
     assert summary["steps"] == 6 and summary["skipped_nonfinite_steps"] == 2
     assert [e["in_a_row"] for e in events(tmp_path / "a") if e["event"] == "nonfinite"] == [1, 2]
     _, _, model = load_model_dir(tmp_path / "a", "last.safetensors")
@@ -87,7 +89,8 @@ def test_nonfinite_steps_are_skipped_then_stop(tmp_path: Path, corpus, monkeypat
 
     monkeypatch.setattr(TransformerSeq2Seq, "loss", inf_loss)
     with pytest.raises(TrainingError, match=r"3 steps in a row .*\(train\.max_bad_steps = 3\)"):
-        train(from_dict(config(corpus, max_steps=6, max_bad_steps=3)), tmp_path / "b", quiet=True)
+        raw = config(corpus, max_steps=6, max_bad_steps=3, precision=precision)
+        train(from_dict(raw), tmp_path / "b", quiet=True)
     assert not (tmp_path / "b" / "best.safetensors").exists()
 
 
