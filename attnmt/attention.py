@@ -232,11 +232,9 @@ class MultiHeadAttention(nn.Module):
             causal = False
         weights = None
         if math_path:
-            out, weights = scaled_dot_product(q, k, v, mask, p)  # (B, h, T_q, d)
-            if not need_weights:
-                weights = None
-            elif average_attn_weights:
-                weights = weights.mean(dim=1)  # (B, T_q, T_k)
+            out, w = scaled_dot_product(q, k, v, mask, p)  # (B, h, T_q, d), (B, h, T_q, T_k)
+            if need_weights:
+                weights = w.mean(dim=1) if average_attn_weights else w  # (B, T_q, T_k) if mean
         else:
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal

@@ -14,8 +14,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from attnmt.errors import ConfigError
-
 
 @dataclass(frozen=True)
 class Ranks:
@@ -62,21 +60,16 @@ def ranks_from_env() -> Ranks:
     return Ranks(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def init(ranks: Ranks, device_name: str) -> torch.device:
-    """Join the process group (NCCL on CUDA, gloo on CPU) and pick this rank's device."""
-    if device_name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device = 'cuda': no CUDA device is available (use auto or cpu)")
-    use_cuda = device_name in ("auto", "cuda") and torch.cuda.is_available()
-    if use_cuda:
+def init(ranks: Ranks, device: torch.device) -> torch.device:
+    """Join the process group (NCCL on CUDA, gloo on CPU); returns this rank's device (its own
+    GPU, LOCAL_RANK, when `device` is CUDA)."""
+    if device.type == "cuda":
         device = torch.device("cuda", ranks.local_rank)
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if ranks.world > 1 and not dist.is_initialized():
+    if not dist.is_initialized():
         # Metadata collectives (sums, barriers) run on CPU tensors: gloo serves those, NCCL the
         # gradients on CUDA.
-        backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend="cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
     return device
 
 

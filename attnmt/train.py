@@ -289,11 +289,10 @@ def train(
     ranks = distributed.ranks_from_env()
     if ranks.is_main:
         prepare_output_dir(out, overwrite, resume)
+    device = resolve_device(t.device)
     if ranks.world > 1:
-        device = distributed.init(ranks, t.device)
+        device = distributed.init(ranks, device)
         ranks.barrier()  # the model directory exists before any rank reads or writes it
-    else:
-        device = resolve_device(t.device)
     try:
         return _train(cfg, out, resume, quiet, ranks, device)
     finally:
@@ -301,9 +300,13 @@ def train(
 
 
 def _train(
-    cfg: Config, out: Path, resume: bool, quiet: bool, ranks: distributed.Ranks,
+    cfg: Config,
+    out: Path,
+    resume: bool,
+    quiet: bool,
+    ranks: distributed.Ranks,
     device: torch.device,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     t = cfg.train
     if t.threads:
         torch.set_num_threads(t.threads)
