@@ -11,6 +11,8 @@ projection; and the output projection + log-softmax + its backward wrote and re-
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 import numpy as np
 import torch
@@ -27,22 +29,54 @@ def _use_plain_ops(x: torch.Tensor) -> bool:
 # --- dropout ---
 
 
+_PART_LANES = 1 << 18  # lanes per independently seeded part of a mask
+
+
+def _keep_part(out: np.ndarray, seed: int, part: int, threshold: int) -> None:
+    """Fill `out` (float32) with part `part` of a keep mask: 1 where a lane >= threshold."""
+    words = np.random.PCG64DXSM([seed, part]).random_raw((out.size + 3) // 4)  # (W,) uint64
+    lanes = words.view(np.int16)[: out.size]  # uniform in [-2^15, 2^15)
+    np.greater_equal(lanes, threshold, out=out)
+
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def _workers() -> ThreadPoolExecutor:
+    """Threads for mask parts (NumPy releases the GIL), as many as torch's intra-op threads."""
+    global _pool
+    threads = max(1, torch.get_num_threads())
+    if _pool is None or _pool._max_workers != threads:
+        _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="attnmt-mask")
+    return _pool
+
+
 def keep_mask(shape: tuple[int, ...], p: float) -> torch.Tensor:
     """CPU float tensor of `shape`: 0 (drop) with probability p, else 1. Float, not bool:
     multiplying by a bool tensor converts it to float on every use, a copy each time.
 
-    `bernoulli_` draws one random number per element from torch's Mersenne Twister, slowly. Here
-    one draw from torch's global generator (seeded by train.seed, saved in checkpoints) seeds
-    NumPy's PCG64DXSM, which fills 64-bit words about four times faster than torch's `random_`;
-    each word gives four independent uniform 16-bit lanes, one per element. p is rounded to a
-    multiple of 2^-16: 0.1 becomes 0.100006.
+    `bernoulli_` draws one random number per element from torch's Mersenne Twister, slowly, and
+    torch's own compare and bool-to-float kernels run at about 1 GB/s here. Instead, one draw
+    from torch's global generator (seeded by train.seed, saved in checkpoints) seeds NumPy's
+    PCG64DXSM for each part of 2^18 elements ([seed, part]: independent streams); each 64-bit
+    word gives four uniform 16-bit lanes, one per element, and NumPy's compare writes the float
+    mask directly. Parts run on torch.get_num_threads() threads; the mask depends only on the
+    seed and the shape, not on the thread count. p is rounded to a multiple of 2^-16: 0.1
+    becomes 0.100006.
     """
     numel = math.prod(shape)
     seed = int(torch.randint(0, 2**62, (1,)))
-    words = np.random.PCG64DXSM(seed).random_raw((numel + 3) // 4)  # (W,) uint64
-    lanes = torch.from_numpy(words.view(np.int16))[:numel]  # (numel,) uniform in [-2^15, 2^15)
+    out = np.empty(numel, np.float32)
     threshold = round(p * 65536) - 32768
-    return (lanes >= threshold).to(torch.float32).view(shape)
+    parts = [
+        (out[start : start + _PART_LANES], seed, k, threshold)
+        for k, start in enumerate(range(0, numel, _PART_LANES))
+    ]
+    if len(parts) == 1:
+        _keep_part(*parts[0])
+    else:
+        list(_workers().map(lambda args: _keep_part(*args), parts))
+    return torch.from_numpy(out).view(shape)
 
 
 def dropout_scale(shape: tuple[int, ...], p: float) -> torch.Tensor:
@@ -78,23 +112,80 @@ def dropout_add(x: torch.Tensor, y: torch.Tensor, p: float, training: bool) -> t
     return torch.addcmul(x, y, keep_mask(tuple(y.shape), p), value=1.0 / (1.0 - p))
 
 
+class _ReluDropoutLinear(torch.autograd.Function):
+    """y = (relu(h) ⊙ keep) Wᵀ / (1 - p) + b for h (N, d_in), keep a float 0/1 mask.
+
+    Forward overwrites h with a = relu(h) ⊙ keep (unscaled) and keeps only a: a > 0 exactly
+    where both ReLU and dropout pass the gradient, so backward needs one pass over the wide
+    (N, d_in) activation besides the matmuls (threshold_backward), and the 1 / (1 - p) scale
+    rides in the matmuls' alpha both ways.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        keep: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        a = h.mul_(keep).relu_()  # (N, d_in), in place of h
+        ctx.save_for_backward(a, weight)
+        ctx.scale = scale  # type: ignore[attr-defined]
+        if bias is None:
+            return torch.addmm(
+                a.new_zeros(()).expand(a.size(0), weight.size(0)),
+                a,
+                weight.t(),
+                beta=0,
+                alpha=scale,
+            )
+        return torch.addmm(bias, a, weight.t(), alpha=scale)  # (N, d_out)
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, grad_y: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        a, weight = ctx.saved_tensors  # type: ignore[attr-defined]
+        scale = ctx.scale  # type: ignore[attr-defined]
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]  # type: ignore[attr-defined]
+        grad_h = grad_w = grad_b = None
+        if need_h:
+            zeros = grad_y.new_zeros(()).expand(a.shape)
+            grad_a = torch.addmm(zeros, grad_y, weight, beta=0, alpha=scale)  # (N, d_in)
+            grad_h = torch.ops.aten.threshold_backward(grad_a, a, 0.0)
+        if need_w:
+            zeros = grad_y.new_zeros(()).expand(weight.shape)
+            grad_w = torch.addmm(zeros, grad_y.t(), a, beta=0, alpha=scale)  # (d_out, d_in)
+        if need_b:
+            grad_b = grad_y.sum(dim=0)  # (d_out,)
+        return grad_h, grad_w, grad_b, None, None
+
+
 def relu_dropout_linear(
     h: torch.Tensor, linear: nn.Linear, p: float, training: bool
 ) -> torch.Tensor:
     """linear(dropout(relu(h))) for h (N, d_in), the inner half of a feed-forward block.
 
-    On CPU: dropout before ReLU equals dropout after it, so both work in place on h (which must
-    be a fresh tensor that autograd does not keep, e.g. another linear layer's output), and the
-    1 / (1 - p) scale moves into the matmul's alpha: one pass over the widest activation for
-    dropout instead of three.
+    On CPU in fp32: dropout before ReLU equals dropout after it, so both work in place on h
+    (which must be a fresh tensor that autograd does not keep, e.g. another linear layer's
+    output) and the 1 / (1 - p) scale moves into the matmuls' alpha (_ReluDropoutLinear): one
+    pass over the widest activation for dropout and ReLU each way instead of five.
     """
-    if not training or p == 0.0 or _use_plain_ops(h) or h._base is not None:
+    plain = (
+        not training
+        or p == 0.0
+        or _use_plain_ops(h)
+        or h._base is not None
+        or h.dtype != torch.float32
+        or torch.is_autocast_enabled("cpu")
+    )
+    if plain:
         return linear(dropout(torch.relu(h), p, training))
-    h = torch.relu_(h.mul_(keep_mask(tuple(h.shape), p)))  # (N, d_in)
-    scale = 1.0 / (1.0 - p)
-    if linear.bias is None:
-        return torch.mm(h, linear.weight.t()) * scale
-    return torch.addmm(linear.bias, h, linear.weight.t(), alpha=scale)  # (N, d_out)
+    keep = keep_mask(tuple(h.shape), p)  # (N, d_in)
+    out = _ReluDropoutLinear.apply(h, linear.weight, linear.bias, keep, 1.0 / (1.0 - p))
+    return cast(torch.Tensor, out)
 
 
 class Dropout(nn.Module):

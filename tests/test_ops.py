@@ -79,22 +79,25 @@ def test_inplace_dropout_equals_copying_dropout_and_backpropagates():
     assert torch.equal(grad_copy, x.grad)
 
 
-def test_relu_dropout_linear_equals_the_plain_composition():
-    linear = torch.nn.Linear(12, 5)
+@pytest.mark.parametrize("bias", [True, False])
+def test_relu_dropout_linear_equals_the_plain_composition(bias):
+    linear = torch.nn.Linear(12, 5, bias=bias)
     x = torch.randn(30, 7, requires_grad=True)
     w_1 = torch.nn.Linear(7, 12)
+    params = [p for p in (linear.weight, linear.bias, w_1.weight, w_1.bias) if p is not None]
     torch.manual_seed(4)
     fast = relu_dropout_linear(w_1(x), linear, 0.3, True)
     fast.sum().backward()
-    fast_grads = [x.grad.clone(), linear.weight.grad.clone(), w_1.weight.grad.clone()]
-    for t in (x, linear.weight, w_1.weight, linear.bias, w_1.bias):
+    fast_grads = [t.grad.clone() for t in [x, *params]]
+    for t in [x, *params]:
         t.grad = None
     torch.manual_seed(4)
     mask = keep_mask((30, 12), 0.3)
+    assert 0 < int(mask.sum()) < mask.numel()
     plain = linear(torch.relu(w_1(x)) * mask / 0.7)
     plain.sum().backward()
     torch.testing.assert_close(fast, plain)
-    for a, b in zip(fast_grads, [x.grad, linear.weight.grad, w_1.weight.grad], strict=True):
+    for a, b in zip(fast_grads, [t.grad for t in [x, *params]], strict=True):
         torch.testing.assert_close(a, b)
     # In eval mode it is the plain composition.
     h = w_1(x)
