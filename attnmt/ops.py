@@ -229,37 +229,53 @@ class _LinearCrossEntropy(torch.autograd.Function):
         target: torch.Tensor,
         smoothing: float,
         chunk: int,
+        matmul_dtype: torch.dtype | None,
     ) -> torch.Tensor:
         N, V = hidden.size(0), weight.size(0)
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]  # type: ignore[attr-defined]
-        dtype = torch.promote_types(hidden.dtype, torch.float32)  # sum in fp32 at least
+        dtype = torch.promote_types(hidden.dtype, torch.float32)  # softmax and sums in fp32+
         total = torch.zeros((), dtype=dtype, device=hidden.device)
-        d_hidden = torch.empty_like(hidden) if need_grad else None
-        d_weight = torch.zeros_like(weight) if need_grad else None
-        w_sum = weight.sum(dim=0)  # (d,) Σ_v W_v
+        d_hidden = (
+            torch.empty(hidden.shape, dtype=dtype, device=hidden.device) if need_grad else None
+        )
+        d_weight = (
+            torch.zeros(weight.shape, dtype=dtype, device=hidden.device) if need_grad else None
+        )
+        # Matmul operands (autocast's lower precision when it is on); the rest in fp32+.
+        mm_dtype = matmul_dtype or dtype
+        h_mm, w_mm = hidden.to(mm_dtype), weight.to(mm_dtype)  # (N, d), (V, d)
+        w_sum = weight.to(dtype).sum(dim=0)  # (d,) Σ_v W_v
         for start in range(0, N, chunk):
-            h = hidden[start : start + chunk]  # (c, d)
+            h = h_mm[start : start + chunk]  # (c, d)
             t = target[start : start + chunk, None]  # (c, 1)
-            z = h @ weight.t()  # (c, V)
+            z = (h @ w_mm.t()).to(dtype)  # (c, V)
             z_t = z.gather(1, t)  # (c, 1)
             logp = torch.log_softmax(z, dim=1)  # (c, V)
             logp_t = logp.gather(1, t)  # (c, 1)
             rows = -(1.0 - smoothing) * logp_t  # (c, 1)
             if smoothing > 0.0:
                 lse = z_t - logp_t  # (c, 1)
-                sum_logp = h @ w_sum - V * lse.squeeze(1)  # (c,) Σ_v log p_v
-                rows = rows.squeeze(1) - (smoothing / V) * sum_logp
+                sum_logp = hidden[start : start + chunk].to(dtype) @ w_sum - V * lse.squeeze(1)
+                rows = rows.squeeze(1) - (smoothing / V) * sum_logp  # (c,)
             total += rows.sum()
             if need_grad:
                 assert d_hidden is not None and d_weight is not None
                 g = logp.exp_()  # (c, V) softmax, in place of log p
                 g.scatter_add_(1, t, g.new_full(t.shape, -(1.0 - smoothing)))
-                torch.mm(g, weight, out=d_hidden[start : start + chunk])  # (c, d)
-                d_weight.addmm_(g.t(), h)  # (V, d)
+                if mm_dtype == dtype:
+                    torch.mm(g, w_mm, out=d_hidden[start : start + chunk])  # (c, d)
+                    d_weight.addmm_(g.t(), h)  # (V, d)
+                else:
+                    g_mm = g.to(mm_dtype)
+                    d_hidden[start : start + chunk] = g_mm @ w_mm  # (c, d)
+                    d_weight += g_mm.t() @ h  # (V, d)
         if need_grad and smoothing > 0.0:
             assert d_hidden is not None and d_weight is not None
             d_hidden.sub_(w_sum, alpha=smoothing / V)  # every row: -ε/V Σ_v W_v
-            d_weight.sub_(hidden.sum(dim=0), alpha=smoothing / V)  # every row: -ε/V Σ_rows h
+            d_weight.sub_(hidden.to(dtype).sum(dim=0), alpha=smoothing / V)  # -ε/V Σ_rows h
+        if need_grad:
+            assert d_hidden is not None and d_weight is not None
+            d_hidden, d_weight = d_hidden.to(hidden.dtype), d_weight.to(weight.dtype)
         ctx.save_for_backward(d_hidden, d_weight)
         return total
 
@@ -268,7 +284,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         d_hidden, d_weight = ctx.saved_tensors  # type: ignore[attr-defined]
-        return d_hidden * grad_out, d_weight * grad_out, None, None, None
+        return d_hidden * grad_out, d_weight * grad_out, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -295,9 +311,13 @@ def linear_cross_entropy(
     h = hidden.reshape(-1, d)[keep]  # (n, d): padding never reaches the projection
     t = target.reshape(-1)[keep]  # (n,)
     n = int(t.numel())
-    if _use_plain_ops(hidden) or torch.is_autocast_enabled("cpu"):
+    if _use_plain_ops(hidden):
         logits = F.linear(h, weight).float()  # (n, V)
         loss = F.cross_entropy(logits, t, label_smoothing=label_smoothing, reduction="sum")
         return loss, n
-    loss = _LinearCrossEntropy.apply(h, weight, t, label_smoothing, chunk)
+    # Under CPU autocast the matmuls take its dtype, as F.linear would; the function's own
+    # casts are explicit, so autocast is off inside it.
+    mm_dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+    with torch.autocast("cpu", enabled=False):
+        loss = _LinearCrossEntropy.apply(h, weight, t, label_smoothing, chunk, mm_dtype)
     return loss, n

@@ -37,6 +37,32 @@ def test_linear_cross_entropy_matches_plain_ops(smoothing: float, chunk: int):
         torch.testing.assert_close(linear_cross_entropy(h, w, target, 0, smoothing)[0], ref)
 
 
+def test_linear_cross_entropy_under_bf16_autocast_matches_autocast_linear():
+    """Under CPU autocast the fused path does its matmuls in bf16 (as F.linear would) and the
+    softmax in fp32; loss and gradients agree with F.linear + F.cross_entropy under autocast
+    to bf16 precision, and the gradients come back in the parameters' fp32."""
+    torch.manual_seed(0)
+    h = torch.randn(40, 16, requires_grad=True)
+    w = (torch.randn(50, 16) * 0.3).requires_grad_()
+    target = torch.randint(1, 50, (40,))
+    target[-5:] = 0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        keep = target != 0
+        logits = F.linear(h[keep], w).float()
+        ref = F.cross_entropy(logits, target[keep], label_smoothing=0.1, reduction="sum")
+        loss, n = linear_cross_entropy(h, w, target, 0, 0.1, chunk=7)
+    ref_gh, ref_gw = torch.autograd.grad(ref, (h, w))
+    gh, gw = torch.autograd.grad(loss, (h, w))
+    assert n == 35 and loss.dtype == torch.float32
+    assert gh.dtype == torch.float32 and gw.dtype == torch.float32
+    torch.testing.assert_close(loss, ref, rtol=2e-3, atol=0.0)
+    torch.testing.assert_close(gh, ref_gh, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(gw, ref_gw, rtol=1e-2, atol=1e-2)
+    # Not the fp32 result: the matmuls did run in bf16.
+    fp32_loss, _ = linear_cross_entropy(h, w, target, 0, 0.1)
+    assert not torch.equal(loss, fp32_loss)
+
+
 def test_dropout_scale_rate_lanes_and_determinism():
     torch.manual_seed(1)
     m = dropout_scale((1000, 301), 0.1)
