@@ -60,6 +60,7 @@ from attnmt.errors import (
 )
 from attnmt.evaluate import score, search_options, translate_lines
 from attnmt.model import Seq2Seq, build_model
+from attnmt.ops import cpu_matmul_hardware
 from attnmt.schedules import inverse_sqrt_lr, teacher_forcing_ratio, warmup_lr
 from attnmt.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
@@ -421,6 +422,15 @@ def _train(
     )
     if resume and checkpoint is None:
         log.event("resume", "--resume: no checkpoint in this directory yet; starting at step 0")
+    if device.type == "cpu" and t.precision != "fp32" and not cpu_matmul_hardware(t.precision):
+        log.event(
+            "precision",
+            f"train.precision={t.precision}: this CPU has no {t.precision} matmul instructions "
+            f"({'AMX or AVX512-BF16' if t.precision == 'bf16' else 'AMX-FP16'}); "
+            "expect it slower than fp32",
+            precision=t.precision,
+            hardware=False,
+        )
 
     def elapsed() -> float:
         return progress.elapsed_s + time.time() - start_time

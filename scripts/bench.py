@@ -2,7 +2,7 @@
 """Benchmarks (figures for the README and issues; never timed in unit tests).
 
     python scripts/bench.py train [--data DIR] [--steps 200] [--warmup 50] [--configs T,R]
-                                  [--threads 2] [--set KEY=VALUE ...]
+                                  [--threads 2] [--dev-sentences 500] [--set KEY=VALUE ...]
     python scripts/bench.py decode --model DIR [--model DIR ...] [--data DIR] [--runs N]
                                    [--beams 1,5] [--batch-sentences 64] [--max-len 60]
                                    [--threads 2]
@@ -20,8 +20,11 @@ batch; both as in ../shared/peers) for --steps steps on Multi30k de-en with `att
 child process per config, and prints one JSON line per config: tokens_per_s (target tokens per
 second, median over the steps after --warmup), tokens_per_s_wall (their sum over the summed
 step times), padding (share of padded source + target positions), model_gflops (6 x
-parameters x tokens_per_s), peak_gflops (best fp32 square-matmul rate measured in this process
-with the same threads), peak_share, max_rss_mb (the child's peak resident memory).
+parameters x tokens_per_s), peak_gflops (best square-matmul rate measured in this process with
+the same threads, in the run's precision: fp32 unless --set train.precision=bf16|fp16),
+peak_share, max_rss_mb (the child's peak resident memory), dev_loss
+(on the first --dev-sentences val pairs after the last step: compares precisions or code
+changes after the same number of steps).
 """
 
 from __future__ import annotations
@@ -123,12 +126,17 @@ TRAIN_CONFIGS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-def matmul_peak_gflops(threads: int, sizes: tuple[int, ...] = (1024, 2048), reps: int = 5) -> float:
-    """Best fp32 GFLOP/s of square matmuls on the CPU with `threads` threads."""
+def matmul_peak_gflops(
+    threads: int,
+    dtype: torch.dtype = torch.float32,
+    sizes: tuple[int, ...] = (1024, 2048),
+    reps: int = 5,
+) -> float:
+    """Best GFLOP/s of square `dtype` matmuls on the CPU with `threads` threads."""
     torch.set_num_threads(threads)
     best = 0.0
     for n in sizes:
-        a, b = torch.randn(n, n), torch.randn(n, n)
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
         a @ b  # warm-up
         for _ in range(reps):
             start = time.perf_counter()
@@ -142,10 +150,12 @@ def bench_train(args: argparse.Namespace) -> None:
     for name in args.configs:
         with tempfile.TemporaryDirectory(prefix=f"attnmt-bench-{name}-") as tmp:
             work = Path(tmp)
-            # A small dev set: validation (once, after the last step) is not what is measured.
+            # Validation runs once, after the last step, outside the timed steps: its dev loss
+            # compares runs of the same config (e.g. fp32 vs bf16) after the same steps.
+            n_dev = args.dev_sentences
             dev_src, dev_tgt = work / "dev.de", work / "dev.en"
-            dev_src.write_text("\n".join(read_lines(data / "val.de.gz")[:50]) + "\n")
-            dev_tgt.write_text("\n".join(read_lines(data / "val.en.gz")[:50]) + "\n")
+            dev_src.write_text("\n".join(read_lines(data / "val.de.gz")[:n_dev]) + "\n")
+            dev_tgt.write_text("\n".join(read_lines(data / "val.en.gz")[:n_dev]) + "\n")
             cfg = {
                 "data": {
                     "train": {"src": str(data / "train.de.gz"), "tgt": str(data / "train.en.gz")},
@@ -165,7 +175,13 @@ def bench_train(args: argparse.Namespace) -> None:
                 },
             }
             (work / "config.yaml").write_text(yaml.safe_dump(cfg))
-            peak = matmul_peak_gflops(args.threads)
+            precision = next(
+                (a.split("=", 1)[1] for a in args.set if a.startswith("train.precision=")), "fp32"
+            )
+            peak_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+                precision, torch.float32
+            )
+            peak = matmul_peak_gflops(args.threads, peak_dtype)
             cmd = [sys.executable, "-m", "attnmt", "train", "--config", str(work / "config.yaml")]
             cmd += ["--out", str(work / "model"), "--quiet"]
             for assignment in args.set:
@@ -186,6 +202,7 @@ def bench_train(args: argparse.Namespace) -> None:
         seconds = sum(e["seconds"] for e in steps)
         tok_s = statistics.median(rates)
         padding = statistics.mean(e["padding"] for e in steps)
+        dev_loss = [e["dev_loss"] for e in events if e["event"] == "validation"][-1]
         model_gflops = 6 * params * tok_s / 1e9
         print(
             json.dumps(
@@ -201,9 +218,12 @@ def bench_train(args: argparse.Namespace) -> None:
                     "seconds_per_step": round(seconds / len(steps), 3),
                     "padding": round(padding, 4),
                     "model_gflops": round(model_gflops, 1),
+                    "precision": precision,
                     "peak_gflops": round(peak, 1),
                     "peak_share": round(model_gflops / peak, 3),
                     "max_rss_mb": round(usage.ru_maxrss / 1024, 1),
+                    "dev_loss": round(dev_loss, 4),
+                    "dev_sentences": args.dev_sentences,
                     "threads": args.threads,
                     "overrides": args.set,
                 }
@@ -233,6 +253,9 @@ def main() -> int:
         "--configs", type=lambda s: s.split(","), default=["T", "R"], help="e.g. T,R or T"
     )
     t.add_argument("--threads", type=int, default=2)
+    t.add_argument(
+        "--dev-sentences", type=int, default=500, help="val sentences for the final dev loss"
+    )
     t.add_argument(
         "--set", action="append", default=[], help="extra config override, e.g. train.compile=true"
     )

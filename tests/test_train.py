@@ -19,6 +19,7 @@ from attnmt.checkpoint import latest_checkpoint, load_model_dir, load_train_stat
 from attnmt.config import from_dict
 from attnmt.errors import CheckpointError, ConfigError, TrainingError
 from attnmt.evaluate import SearchOptions, translate_lines
+from attnmt.ops import cpu_matmul_hardware
 from attnmt.train import train
 from attnmt.transformer import TransformerSeq2Seq
 
@@ -269,6 +270,25 @@ def test_mixed_precision_trains(tmp_path: Path, corpus, precision):
     _, _, model = load_model_dir(tmp_path / "m")
     assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in model.parameters())
     assert "bf16" in (tmp_path / "m" / "train.log").read_text() or precision == "fp16"
+
+
+@pytest.mark.parametrize("hardware", [True, False])
+def test_low_precision_without_cpu_hardware_is_flagged(
+    tmp_path: Path, corpus, monkeypatch, hardware
+):
+    monkeypatch.setattr("attnmt.train.cpu_matmul_hardware", lambda precision: hardware)
+    raw = config(corpus, max_steps=2, eval_every=2, precision="bf16")
+    train(from_dict(raw), tmp_path / "m", quiet=True)
+    flagged = [e for e in events(tmp_path / "m") if e["event"] == "precision"]
+    assert len(flagged) == (0 if hardware else 1)
+    log_text = (tmp_path / "m" / "train.log").read_text()
+    assert ("slower than fp32" in log_text) == (not hardware)
+
+
+def test_cpu_matmul_hardware_answers_for_each_precision():
+    assert cpu_matmul_hardware("fp32") is True
+    assert isinstance(cpu_matmul_hardware("bf16"), bool)
+    assert isinstance(cpu_matmul_hardware("fp16"), bool)
 
 
 def test_compiled_step_matches_eager(tmp_path: Path, corpus):
