@@ -20,7 +20,7 @@ from attnmt.config import from_dict
 from attnmt.errors import CheckpointError, ConfigError, TrainingError
 from attnmt.evaluate import SearchOptions, translate_lines
 from attnmt.ops import cpu_matmul_hardware
-from attnmt.train import train
+from attnmt.train import ONEDNN_CACHE_CAPACITY, train
 from attnmt.transformer import TransformerSeq2Seq
 
 from conftest import tiny_config, write_config
@@ -263,9 +263,12 @@ def test_kill_9_never_breaks_the_model_directory(tmp_path: Path, corpus):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision_trains(tmp_path: Path, corpus, precision):
+def test_mixed_precision_trains(tmp_path: Path, corpus, monkeypatch, precision):
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
     raw = config(corpus, max_steps=6, eval_every=6, precision=precision)
     summary = train(from_dict(raw), tmp_path / "m", quiet=True)
+    # oneDNN's kernel cache is bounded for low-precision CPU runs.
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_CACHE_CAPACITY)
     assert summary["steps"] == 6
     _, _, model = load_model_dir(tmp_path / "m")
     assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in model.parameters())
@@ -289,6 +292,13 @@ def test_cpu_matmul_hardware_answers_for_each_precision():
     assert cpu_matmul_hardware("fp32") is True
     assert isinstance(cpu_matmul_hardware("bf16"), bool)
     assert isinstance(cpu_matmul_hardware("fp16"), bool)
+
+
+def test_users_onednn_cache_setting_wins(tmp_path: Path, corpus, monkeypatch):
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "7")
+    raw = config(corpus, max_steps=1, eval_every=1, precision="bf16")
+    train(from_dict(raw), tmp_path / "m", quiet=True)
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "7"
 
 
 def test_compiled_step_matches_eager(tmp_path: Path, corpus):
