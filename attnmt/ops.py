@@ -54,16 +54,18 @@ def _keep_part(out: np.ndarray, seed: int, part: int, threshold: int) -> None:
     np.greater_equal(lanes, threshold, out=out)
 
 
-_pool: ThreadPoolExecutor | None = None
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # (threads, pool)
 
 
 def _workers() -> ThreadPoolExecutor:
     """Threads for mask parts (NumPy releases the GIL), as many as torch's intra-op threads."""
     global _pool
     threads = max(1, torch.get_num_threads())
-    if _pool is None or _pool._max_workers != threads:
-        _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="attnmt-mask")
-    return _pool
+    if _pool is None or _pool[0] != threads:
+        if _pool is not None:
+            _pool[1].shutdown(wait=False)
+        _pool = (threads, ThreadPoolExecutor(threads, thread_name_prefix="attnmt-mask"))
+    return _pool[1]
 
 
 def keep_mask(shape: tuple[int, ...], p: float) -> torch.Tensor:
