@@ -187,18 +187,20 @@ def beam_search(
         # 4. Done sentences leave; the others go on with their reordered beams.
         if not keep:
             break
-        state = model.select_state(state, rows)
         scores = new_scores
         prev = new_tok.view(-1)
         if len(keep) < n:
             keep_t = torch.tensor(keep, device=device)
             keep_rows = (keep_t.unsqueeze(1) * K + torch.arange(K, device=device)).view(-1)
             memory = model.select_memory(memory, keep_rows)
-            state = model.select_state(state, keep_rows)
+            # One gather of the decoder state: the reordered beams of the sentences kept.
+            state = model.select_state(state, rows[keep_rows])
             scores, prev, tokens = scores[keep_t], prev[keep_rows], tokens[keep_rows]
             if attn_hist is not None:
                 attn_hist = attn_hist[keep_rows]
             active = [active[r] for r in keep]
+        else:
+            state = model.select_state(state, rows)
     return [sorted(h, key=lambda x: -x.score)[:n_best] for h in finished]
 
 
