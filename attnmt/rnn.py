@@ -119,17 +119,28 @@ class RNNSeq2Seq(Seq2Seq):
         s0 = torch.tanh(self.bridge(memory.final))  # (B, D)
         return s0.unsqueeze(0).repeat(self.dec_layers, 1, 1).contiguous()  # (L, B, D)
 
-    def _step(
+    def _recur(
         self, memory: RNNMemory, hidden: torch.Tensor, emb: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One step from an embedded previous token emb (B, E) -> pre-output (B, E)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The recurrent half of a step, from an embedded previous token emb (B, E): the GRU
+        output s_t (B, D), the context c_t (B, D), the new state (L, B, D) and the attention
+        weights (B, S)."""
         context, weights = self.attention(
             hidden[-1], memory.proj_keys, memory.enc_out, memory.pad_mask
         )  # (B, D), (B, S)
         rnn_in = torch.cat([emb, context], dim=-1).unsqueeze(1)  # (B, 1, E + D)
         out, hidden = self.rnn(rnn_in, hidden)  # (B, 1, D), (L, B, D)
-        pre = torch.tanh(self.pre_output(torch.cat([out.squeeze(1), context, emb], dim=-1)))
-        return self.dropout(pre), hidden, weights  # (B, E), (L, B, D), (B, S)
+        return out.squeeze(1), context, hidden, weights
+
+    def _pre_output(
+        self, out: torch.Tensor, context: torch.Tensor, emb: torch.Tensor
+    ) -> torch.Tensor:
+        """o_t = dropout(tanh(W_o [s_t; c_t; E y_{t-1}])) for any leading shape (..., E).
+
+        Nothing feeds back from o_t into the recurrence, so training computes it for all
+        positions at once after the loop (one large matmul instead of one small one per step).
+        """
+        return self.dropout(torch.tanh(self.pre_output(torch.cat([out, context, emb], dim=-1))))
 
     def decode_step(
         self,
@@ -139,7 +150,8 @@ class RNNSeq2Seq(Seq2Seq):
         attention: AttentionSpec | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         emb = self.dropout(self.tgt_embed(prev_tokens))  # (B, E)
-        pre, state, weights = self._step(memory, state, emb)
+        out, context, state, weights = self._recur(memory, state, emb)
+        pre = self._pre_output(out, context, emb)  # (B, E)
         return self.output(pre), state, weights if attention is not None else None  # (B, V)
 
     def select_memory(self, memory: RNNMemory, index: torch.Tensor) -> RNNMemory:
@@ -166,11 +178,14 @@ class RNNSeq2Seq(Seq2Seq):
         if tf_ratio >= 1.0:
             # All inputs are gold: embed them at once and project to the vocabulary once.
             embs = self.dropout(self.tgt_embed(batch.tgt_in))  # (B, T, E)
-            pres = []
+            outs, contexts = [], []
             for t in range(T):
-                pre, hidden, _ = self._step(memory, hidden, embs[:, t])
-                pres.append(pre)
-            h = torch.stack(pres, dim=1)  # (B, T, E)
+                out, context, hidden, _ = self._recur(memory, hidden, embs[:, t])
+                outs.append(out)
+                contexts.append(context)
+            h = self._pre_output(
+                torch.stack(outs, dim=1), torch.stack(contexts, dim=1), embs
+            )  # (B, T, E)
             return linear_cross_entropy(
                 h, self.output.weight, batch.tgt_out, PAD_ID, label_smoothing
             )
