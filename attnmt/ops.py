@@ -129,6 +129,12 @@ def dropout_add(x: torch.Tensor, y: torch.Tensor, p: float, training: bool) -> t
     return torch.addcmul(x, y, keep_mask(tuple(y.shape), p), value=1.0 / (1.0 - p))
 
 
+def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """scale * (a @ b) in the matmul itself (addmm's alpha; beta=0 ignores the zero input)."""
+    zeros = a.new_zeros(()).expand(a.size(0), b.size(1))
+    return torch.addmm(zeros, a, b, beta=0, alpha=scale)
+
+
 class _ReluDropoutLinear(torch.autograd.Function):
     """y = (relu(h) ⊙ keep) Wᵀ / (1 - p) + b for h (N, d_in), keep a float 0/1 mask.
 
@@ -151,13 +157,7 @@ class _ReluDropoutLinear(torch.autograd.Function):
         ctx.save_for_backward(a, weight)
         ctx.scale = scale  # type: ignore[attr-defined]
         if bias is None:
-            return torch.addmm(
-                a.new_zeros(()).expand(a.size(0), weight.size(0)),
-                a,
-                weight.t(),
-                beta=0,
-                alpha=scale,
-            )
+            return _scaled_mm(a, weight.t(), scale)  # (N, d_out)
         return torch.addmm(bias, a, weight.t(), alpha=scale)  # (N, d_out)
 
     @staticmethod
@@ -169,12 +169,10 @@ class _ReluDropoutLinear(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]  # type: ignore[attr-defined]
         grad_h = grad_w = grad_b = None
         if need_h:
-            zeros = grad_y.new_zeros(()).expand(a.shape)
-            grad_a = torch.addmm(zeros, grad_y, weight, beta=0, alpha=scale)  # (N, d_in)
+            grad_a = _scaled_mm(grad_y, weight, scale)  # (N, d_in)
             grad_h = torch.ops.aten.threshold_backward(grad_a, a, 0.0)
         if need_w:
-            zeros = grad_y.new_zeros(()).expand(weight.shape)
-            grad_w = torch.addmm(zeros, grad_y.t(), a, beta=0, alpha=scale)  # (d_out, d_in)
+            grad_w = _scaled_mm(grad_y.t(), a, scale)  # (d_out, d_in)
         if need_b:
             grad_b = grad_y.sum(dim=0)  # (d_out,)
         return grad_h, grad_w, grad_b, None, None

@@ -381,13 +381,6 @@ def _train(
     # fp16 needs loss scaling to keep small gradients from underflowing; bf16 and fp32 do not.
     scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
-    if device.type == "cpu" and autocast_dtype is not None:
-        # oneDNN runs low-precision matmuls on CPU and caches a compiled kernel per shape, by
-        # default up to 1,024; token batches come in hundreds of shapes, and the cache took
-        # the bench's bf16 T run from 1.7 to 5.6 GiB. A small cache ran as fast. It is read
-        # when oneDNN first runs, so this must come before the first step (a user's own
-        # setting wins).
-        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
     sampler = BucketSampler(
         [len(s) + 1 for s in train_data.src],
         [len(x) + 1 for x in train_data.tgt],
@@ -433,15 +426,22 @@ def _train(
     )
     if resume and checkpoint is None:
         log.event("resume", "--resume: no checkpoint in this directory yet; starting at step 0")
-    if device.type == "cpu" and t.precision != "fp32" and not cpu_matmul_hardware(t.precision):
-        log.event(
-            "precision",
-            f"train.precision={t.precision}: this CPU has no {t.precision} matmul instructions "
-            f"({'AMX or AVX512-BF16' if t.precision == 'bf16' else 'AMX-FP16'}); "
-            "expect it slower than fp32",
-            precision=t.precision,
-            hardware=False,
-        )
+    if device.type == "cpu" and autocast_dtype is not None:
+        # oneDNN runs low-precision matmuls on CPU and caches a compiled kernel per shape, by
+        # default up to 1,024; token batches come in hundreds of shapes, and the cache took
+        # the bench's bf16 T run from 1.7 to 5.6 GiB. A small cache ran as fast. It is read
+        # when oneDNN first runs, so this must come before the first step (a user's own
+        # setting wins).
+        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
+        if not cpu_matmul_hardware(t.precision):
+            log.event(
+                "precision",
+                f"train.precision={t.precision}: this CPU has no {t.precision} matmul "
+                f"instructions ({'AMX or AVX512-BF16' if t.precision == 'bf16' else 'AMX-FP16'})"
+                "; expect it slower than fp32",
+                precision=t.precision,
+                hardware=False,
+            )
 
     def elapsed() -> float:
         return progress.elapsed_s + time.time() - start_time
