@@ -20,6 +20,7 @@ from attnmt.config import ModelConfig
 from attnmt.data import Batch
 from attnmt.model import AttentionSpec, Seq2Seq, gold_coins, sequence_loss
 from attnmt.ops import Dropout, linear_cross_entropy
+from attnmt.recurrence import gru_attention_recurrence
 from attnmt.tokenizer import PAD_ID
 
 
@@ -142,6 +143,42 @@ class RNNSeq2Seq(Seq2Seq):
         """
         return self.dropout(torch.tanh(self.pre_output(torch.cat([out, context, emb], dim=-1))))
 
+    def teacher_forced(
+        self, memory: RNNMemory, hidden: torch.Tensor, embs: torch.Tensor, fused: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The recurrence over gold inputs embs (B, T, E) from state hidden (L, B, D): the GRU
+        outputs and the contexts, (B, T, D) each.
+
+        One GRU layer with Bahdanau attention (the usual setup) runs as one autograd function
+        with hand-written backpropagation through time (attnmt.recurrence; `fused=False`
+        steps through autograd instead, for tests); other setups step through autograd.
+        """
+        if fused and self.dec_layers == 1 and isinstance(self.attention, AdditiveAttention):
+            att, rnn = self.attention, self.rnn
+            outs, contexts = gru_attention_recurrence(
+                embs,
+                hidden[0],
+                memory.proj_keys,
+                memory.enc_out,
+                memory.pad_mask,
+                att.query_layer.weight,
+                att.query_layer.bias,
+                att.energy_layer.weight,
+                rnn.weight_ih_l0,
+                rnn.bias_ih_l0,
+                rnn.weight_hh_l0,
+                rnn.bias_hh_l0,
+            )  # (T, B, D) each; fmt: skip
+            return outs.transpose(0, 1), contexts.transpose(0, 1)
+        outs, contexts = [], []
+        # unbind, not embs[:, t]: the backward of T slices would zero-fill T tensors of embs's
+        # full size and add them up; unbind's backward stacks the T gradients once.
+        for emb in embs.unbind(dim=1):
+            out, context, hidden, _ = self._recur(memory, hidden, emb)
+            outs.append(out)
+            contexts.append(context)
+        return torch.stack(outs, dim=1), torch.stack(contexts, dim=1)
+
     def decode_step(
         self,
         memory: RNNMemory,
@@ -178,14 +215,8 @@ class RNNSeq2Seq(Seq2Seq):
         if tf_ratio >= 1.0:
             # All inputs are gold: embed them at once and project to the vocabulary once.
             embs = self.dropout(self.tgt_embed(batch.tgt_in))  # (B, T, E)
-            outs, contexts = [], []
-            for t in range(T):
-                out, context, hidden, _ = self._recur(memory, hidden, embs[:, t])
-                outs.append(out)
-                contexts.append(context)
-            h = self._pre_output(
-                torch.stack(outs, dim=1), torch.stack(contexts, dim=1), embs
-            )  # (B, T, E)
+            outs, contexts = self.teacher_forced(memory, hidden, embs)  # (B, T, D) each
+            h = self._pre_output(outs, contexts, embs)  # (B, T, E)
             return linear_cross_entropy(
                 h, self.output.weight, batch.tgt_out, PAD_ID, label_smoothing
             )

@@ -14,18 +14,17 @@ V = 23
 
 def tiny_model(arch: str, seed: int = 0, **overrides) -> Seq2Seq:
     torch.manual_seed(seed)
-    cfg = ModelConfig(
-        arch=arch,
-        emb_size=12,
-        hidden_size=16,
-        heads=2,
-        ff_size=24,
-        enc_layers=2,
-        dec_layers=2,
-        dropout=0.0,
-        attention_dropout=0.0,
-        **overrides,
-    )
+    settings = {
+        "emb_size": 12,
+        "hidden_size": 16,
+        "heads": 2,
+        "ff_size": 24,
+        "enc_layers": 2,
+        "dec_layers": 2,
+        "dropout": 0.0,
+        "attention_dropout": 0.0,
+    }
+    cfg = ModelConfig(arch=arch, **{**settings, **overrides})
     return build_model(cfg, V, V, joint=True)
 
 

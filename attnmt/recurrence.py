@@ -1,0 +1,205 @@
+"""The teacher-forced recurrence of the rnn decoder (one GRU layer, Bahdanau attention) as one
+autograd function with hand-written backpropagation through time.
+
+Why: stepped through autograd, every decoder step's backward ran its own weight-gradient
+matmuls (K = batch, 64 rows: the least efficient shape there is), accumulated them into the
+weight gradients (`add_` of a 1536 × 768 tensor per step and weight), summed bias gradients
+per step, and zero-filled whole-sequence gradient buffers for each per-step slice. Here the
+backward loop computes only what the next-earlier step needs (the gradient of the state and
+of the context, three small matmuls); every weight gradient is one large matmul over all
+T × B rows at the end, and so are the gradients of the embeddings and the encoder states.
+The embedding part of the GRU input projection is likewise one matmul for all steps, before
+the loop.
+
+Step t, with s the previous state (Bahdanau et al. 2015, https://arxiv.org/abs/1409.0473, and
+torch.nn.GRU's gate layout r, z, n):
+    q = W_q s + b_q                          e = tanh(q + K)            (K: projected keys)
+    α = softmax(v · e) over unmasked sources  c = Σ_j α_j values_j
+    gi = W_ie y + W_ic c + b_ih              gh = W_hh s + b_hh
+    r = σ(gi_r + gh_r)   z = σ(gi_z + gh_z)   n = tanh(gi_n + r ⊙ gh_n)
+    s' = (1 - z) ⊙ n + z ⊙ s
+"""
+
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+
+
+class _GRUAttentionRecurrence(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        embs: Tensor,
+        h0: Tensor,
+        proj_keys: Tensor,
+        values: Tensor,
+        pad_mask: Tensor,
+        w_q: Tensor,
+        b_q: Tensor,
+        v: Tensor,
+        w_ih: Tensor,
+        b_ih: Tensor,
+        w_hh: Tensor,
+        b_hh: Tensor,
+        mm_dtype: torch.dtype | None,
+    ) -> tuple[Tensor, Tensor]:
+        B, T, E = embs.shape
+        S, A, D = proj_keys.size(1), proj_keys.size(2), h0.size(1)
+        f32 = torch.promote_types(embs.dtype, torch.float32)
+        md = mm_dtype or f32
+
+        def mm(x: Tensor, w: Tensor) -> Tensor:  # x @ w, operands in the matmul dtype
+            return (x.to(md) @ w).to(f32)
+
+        w_qT, w_hhT = w_q.t().to(md), w_hh.t().to(md)  # (D, A), (D, 3D)
+        w_icT = w_ih[:, E:].t().to(md)  # (D, 3D)
+        v_ = v.reshape(A).to(f32)  # (A,)
+        K, vals = proj_keys.to(f32), values.to(f32)
+        # The embedding part of every step's input projection, one matmul: (T, B, 3D).
+        ge = mm(embs.transpose(0, 1).reshape(T * B, E), w_ih[:, :E].t().to(md)).view(T, B, -1)
+        ge += b_ih.to(f32)
+        outs = embs.new_empty((T, B, D), dtype=f32)  # s_t
+        ctxs = embs.new_empty((T, B, D), dtype=f32)  # c_t
+        es = embs.new_empty((T, B, S, A), dtype=f32)  # tanh(q + K)
+        alphas = embs.new_empty((T, B, S), dtype=f32)
+        gates = embs.new_empty((T, 3, B, D), dtype=f32)  # r, z, n
+        gh_ns = embs.new_empty((T, B, D), dtype=f32)  # W_hn s + b_hn
+        s = h0.to(f32)
+        b_q_, b_hh_ = b_q.to(f32), b_hh.to(f32)
+        for t in range(T):
+            q = mm(s, w_qT) + b_q_  # (B, A)
+            e = torch.add(K, q.unsqueeze(1), out=es[t]).tanh_()  # (B, S, A)
+            scores = (e @ v_).masked_fill_(pad_mask, float("-inf"))  # (B, S)
+            alpha = alphas[t].copy_(torch.softmax(scores, dim=-1))  # (B, S)
+            c = torch.bmm(alpha.unsqueeze(1), vals, out=ctxs[t].unsqueeze(1)).squeeze(1)  # (B, D)
+            gi = mm(c, w_icT) + ge[t]  # (B, 3D)
+            gh = mm(s, w_hhT) + b_hh_  # (B, 3D)
+            r = torch.sigmoid(gi[:, :D] + gh[:, :D], out=gates[t, 0])  # (B, D)
+            z = torch.sigmoid(gi[:, D : 2 * D] + gh[:, D : 2 * D], out=gates[t, 1])
+            gh_n = gh_ns[t].copy_(gh[:, 2 * D :])
+            n = torch.tanh(torch.addcmul(gi[:, 2 * D :], r, gh_n), out=gates[t, 2])
+            s = torch.lerp(n, s, z, out=outs[t])  # (1 - z) n + z s
+        ctx.save_for_backward(embs, h0, values, w_q, v, w_ih, w_hh, outs, ctxs, es, alphas)
+        ctx.gates, ctx.gh_ns, ctx.mm_dtype = gates, gh_ns, mm_dtype  # type: ignore[attr-defined]
+        ctx.keys_dtype = proj_keys.dtype  # type: ignore[attr-defined]
+        return outs, ctxs
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, d_outs: Tensor | None, d_ctxs: Tensor | None
+    ) -> tuple[Tensor | None, ...]:
+        embs, h0, values, w_q, v, w_ih, w_hh, outs, ctxs, es, alphas = ctx.saved_tensors  # type: ignore[attr-defined]
+        gates, gh_ns = ctx.gates, ctx.gh_ns  # type: ignore[attr-defined]
+        B, T, E = embs.shape
+        A, D = es.size(3), h0.size(1)
+        f32 = outs.dtype
+        md = ctx.mm_dtype or f32  # type: ignore[attr-defined]
+
+        def mm(x: Tensor, w: Tensor) -> Tensor:
+            return (x.to(md) @ w).to(f32)
+
+        w_q_, w_hh_, w_ic = w_q.to(md), w_hh.to(md), w_ih[:, E:].to(md)  # (A,D), (3D,D), (3D,D)
+        v_ = v.reshape(A).to(f32)
+        vals = values.to(f32)
+        if d_outs is None:
+            d_outs = torch.zeros_like(outs)
+        if d_ctxs is None:
+            d_ctxs = torch.zeros_like(ctxs)
+        d_gi = outs.new_empty((T, B, 3 * D))  # gradient of gi_t (and of ge_t)
+        d_gh = outs.new_empty((T, B, 3 * D))  # gradient of gh_t
+        d_q = outs.new_empty((T, B, A))
+        d_c = outs.new_empty((T, B, D))
+        d_scores = outs.new_empty(alphas.shape)  # (T, B, S)
+        d_keys = torch.zeros_like(es[0])  # (B, S, A)
+        ds = torch.zeros_like(outs[0])  # (B, D): gradient of the state s_t
+        for t in range(T - 1, -1, -1):
+            ds += d_outs[t]
+            s_prev = outs[t - 1] if t > 0 else h0.to(f32)
+            r, z, n = gates[t]
+            # s' = n + z (s - n)
+            d_n = ds * (1 - z)
+            d_z = ds * (s_prev - n)
+            ds_prev = ds * z
+            d_npre = d_n * (1 - n * n)  # through tanh
+            d_rpre = d_npre * gh_ns[t] * r * (1 - r)
+            d_zpre = d_z * z * (1 - z)
+            torch.cat([d_rpre, d_zpre, d_npre], dim=1, out=d_gi[t])
+            torch.cat([d_rpre, d_zpre, d_npre * r], dim=1, out=d_gh[t])
+            ds_prev += mm(d_gh[t], w_hh_)  # (B, D)
+            dc = torch.add(d_ctxs[t], mm(d_gi[t], w_ic), out=d_c[t])  # (B, D)
+            # Attention: c = α values, α = softmax(scores), scores = v · e, e = tanh(q + K).
+            alpha = alphas[t]  # (B, S)
+            d_alpha = torch.bmm(vals, dc.unsqueeze(2)).squeeze(2)  # (B, S)
+            dsc = d_scores[t]
+            torch.mul(alpha, d_alpha - (alpha * d_alpha).sum(-1, keepdim=True), out=dsc)
+            d_pre = torch.ops.aten.tanh_backward(dsc.unsqueeze(2) * v_, es[t])  # (B, S, A)
+            d_keys += d_pre
+            dq = torch.sum(d_pre, dim=1, out=d_q[t])  # (B, A)
+            ds_prev += mm(dq, w_q_)
+            ds = ds_prev
+        # Everything that does not feed back: one matmul over all T * B rows each.
+        s_prevs = torch.cat([h0.to(f32).unsqueeze(0), outs[:-1]]).view(T * B, D)
+        d_gi2, d_gh2, d_q2 = d_gi.view(T * B, -1), d_gh.view(T * B, -1), d_q.view(T * B, A)
+        embs_tm = embs.transpose(0, 1).reshape(T * B, E).to(f32)
+        d_w_ih = torch.cat(
+            [mm(d_gi2.t(), embs_tm.to(md)), mm(d_gi2.t(), ctxs.view(T * B, D).to(md))], dim=1
+        )  # (3D, E + D)
+        d_w_hh = mm(d_gh2.t(), s_prevs.to(md))  # (3D, D)
+        d_w_q = mm(d_q2.t(), s_prevs.to(md))  # (A, D)
+        d_v = mm(d_scores.view(1, -1), es.view(-1, A).to(md))  # (1, A)
+        d_embs = mm(d_gi2, w_ih[:, :E].to(md)).view(T, B, E).transpose(0, 1)  # (B, T, E)
+        d_values = mm(alphas.permute(1, 2, 0), d_c.transpose(0, 1).to(md))  # (B, S, D)
+        return (
+            d_embs.to(embs.dtype),
+            ds.to(h0.dtype),
+            d_keys.to(ctx.keys_dtype),  # type: ignore[attr-defined]
+            d_values.to(values.dtype),
+            None,
+            d_w_q.to(w_q.dtype),
+            d_q2.sum(0),
+            d_v.to(v.dtype).view_as(v),
+            d_w_ih.to(w_ih.dtype),
+            d_gi2.sum(0),
+            d_w_hh.to(w_hh.dtype),
+            d_gh2.sum(0),
+            None,
+        )
+
+
+def gru_attention_recurrence(
+    embs: Tensor,
+    h0: Tensor,
+    proj_keys: Tensor,
+    values: Tensor,
+    pad_mask: Tensor,
+    w_q: Tensor,
+    b_q: Tensor,
+    v: Tensor,
+    w_ih: Tensor,
+    b_ih: Tensor,
+    w_hh: Tensor,
+    b_hh: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """Run the decoder over all T gold inputs: the GRU outputs s_1..s_T and contexts c_1..c_T.
+
+    Args:
+        embs: (B, T, E) embedded inputs y_0..y_{T-1}; h0: (B, D) initial state.
+        proj_keys: (B, S, A) W_k keys; values: (B, S, D') encoder states; pad_mask: (B, S)
+            bool, True at padding.
+        w_q (A, D), b_q (A): the query layer; v (1, A): the energy layer.
+        w_ih (3D, E + D'), b_ih, w_hh (3D, D), b_hh: torch.nn.GRU's layer-0 weights.
+    Returns:
+        outs (T, B, D) and contexts (T, B, D'), time-major.
+
+    Under autocast the matmuls run in its dtype and everything else in fp32, as in
+    ops.linear_cross_entropy.
+    """
+    dev = embs.device.type
+    mm_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+    with torch.autocast(dev, enabled=False):
+        outs, ctxs = _GRUAttentionRecurrence.apply(
+            embs, h0, proj_keys, values, pad_mask, w_q, b_q, v, w_ih, b_ih, w_hh, b_hh, mm_dtype
+        )
+    return outs, ctxs
