@@ -203,3 +203,128 @@ def gru_attention_recurrence(
             embs, h0, proj_keys, values, pad_mask, w_q, b_q, v, w_ih, b_ih, w_hh, b_hh, mm_dtype
         )
     return outs, ctxs
+
+
+class _BiGRURecurrence(torch.autograd.Function):
+    """Both directions of a one-layer bidirectional GRU over padded sentences, advanced together:
+    step i runs the forward direction at position i and the backward one at S - 1 - i, as one
+    (2, B, ·) batched matmul. Past a sentence's end (mask 0) the forward state stays as it
+    was and the backward state stays at its start value 0, which is what packed sequences do;
+    outputs there are 0, as pad_packed_sequence gives."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        x: Tensor,
+        keep: Tensor,
+        w_ih: Tensor,
+        b_ih: Tensor,
+        w_hh: Tensor,
+        b_hh: Tensor,
+        mm_dtype: torch.dtype | None,
+    ) -> tuple[Tensor, Tensor]:
+        B, S, E = x.shape
+        H = w_hh.size(2)
+        f32 = torch.promote_types(x.dtype, torch.float32)
+        md = mm_dtype or f32
+        # Input projections of both directions for all positions: one matmul, (B, S, 6H).
+        gi = (x.reshape(B * S, E).to(md) @ w_ih.reshape(6 * H, E).t().to(md)).to(f32)
+        gi = gi.view(B, S, 2, 3 * H).add_(b_ih.to(f32))  # (B, S, 2, 3H)
+        # Step-major: [i, 0] = forward direction at position i, [i, 1] = backward at S-1-i.
+        gi = torch.stack([gi[:, :, 0].transpose(0, 1), gi[:, :, 1].flip(1).transpose(0, 1)], 1)
+        m = keep.t().to(f32)  # (S, B) 1 at real tokens
+        masks = torch.stack([m, m.flip(0)], dim=1).unsqueeze(-1)  # (S, 2, B, 1)
+        w_hhT, b_hh_ = w_hh.transpose(1, 2).to(md), b_hh.to(f32).unsqueeze(1)  # (2,H,3H), (2,1,3H)
+        h_prev = x.new_empty((S, 2, B, H), dtype=f32)  # state before step i
+        h_new = x.new_empty((S, 2, B, H), dtype=f32)  # GRU output at step i
+        gates = x.new_empty((S, 3, 2, B, H), dtype=f32)  # r, z, n
+        gh_ns = x.new_empty((S, 2, B, H), dtype=f32)
+        h = x.new_zeros((2, B, H), dtype=f32)
+        for i in range(S):
+            h_prev[i] = h
+            gh = torch.bmm(h.to(md), w_hhT).to(f32) + b_hh_  # (2, B, 3H)
+            g = gi[i]  # (2, B, 3H)
+            r = torch.sigmoid(g[..., :H] + gh[..., :H], out=gates[i, 0])  # (2, B, H)
+            z = torch.sigmoid(g[..., H : 2 * H] + gh[..., H : 2 * H], out=gates[i, 1])
+            gh_n = gh_ns[i].copy_(gh[..., 2 * H :])
+            n = torch.tanh(torch.addcmul(g[..., 2 * H :], r, gh_n), out=gates[i, 2])
+            hn = torch.lerp(n, h, z, out=h_new[i])  # (1 - z) n + z h
+            h = torch.where(masks[i] > 0, hn, h)
+        out_steps = h_new * masks  # (S, 2, B, H), 0 past the end
+        out = torch.cat([out_steps[:, 0], out_steps[:, 1].flip(0)], dim=-1)  # (S, B, 2H)
+        ctx.save_for_backward(x, w_ih, w_hh)
+        ctx.saved = (masks, h_prev, gates, gh_ns, mm_dtype)  # type: ignore[attr-defined]
+        return out.transpose(0, 1), torch.cat([h[0], h[1]], dim=-1)  # (B, S, 2H), (B, 2H)
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, d_out: Tensor | None, d_final: Tensor | None
+    ) -> tuple[Tensor | None, ...]:
+        x, w_ih, w_hh = ctx.saved_tensors  # type: ignore[attr-defined]
+        masks, h_prev, gates, gh_ns, mm_dtype = ctx.saved  # type: ignore[attr-defined]
+        B, S, E = x.shape
+        H = w_hh.size(2)
+        f32 = h_prev.dtype
+        md = mm_dtype or f32
+        w_hh_ = w_hh.to(md)  # (2, 3H, H)
+        d_o = torch.zeros((S, B, 2 * H), dtype=f32, device=x.device)
+        if d_out is not None:
+            d_o = d_out.transpose(0, 1).to(f32)
+        d_steps = torch.stack([d_o[..., :H], d_o[..., H:].flip(0)], dim=1)  # (S, 2, B, H)
+        d_gi = h_prev.new_empty((S, 2, B, 3 * H))
+        d_gh = h_prev.new_empty((S, 2, B, 3 * H))
+        dh = h_prev.new_zeros((2, B, H))
+        if d_final is not None:
+            dh += d_final.to(f32).view(B, 2, H).transpose(0, 1)
+        for i in range(S - 1, -1, -1):
+            mask = masks[i] > 0  # (2, B, 1)
+            d_hn = torch.where(mask, dh + d_steps[i], 0.0)  # gradient of the GRU output
+            dh = torch.where(mask, 0.0, dh)  # the state passed through unchanged
+            r, z, n = gates[i]
+            hp = h_prev[i]
+            d_n = d_hn * (1 - z)
+            d_npre = d_n * (1 - n * n)
+            d_rpre = d_npre * gh_ns[i] * r * (1 - r)
+            d_zpre = d_hn * (hp - n) * z * (1 - z)
+            torch.cat([d_rpre, d_zpre, d_npre], dim=-1, out=d_gi[i])
+            torch.cat([d_rpre, d_zpre, d_npre * r], dim=-1, out=d_gh[i])
+            dh += d_hn * z + torch.bmm(d_gh[i].to(md), w_hh_).to(f32)
+        # Weight gradients: one batched matmul per weight over all S * B rows.
+        d_gh2 = d_gh.transpose(0, 1).reshape(2, S * B, 3 * H)
+        d_w_hh = torch.bmm(
+            d_gh2.transpose(1, 2).to(md), h_prev.transpose(0, 1).reshape(2, S * B, H).to(md)
+        )
+        # Back to positions: (B, S, 2, 3H).
+        d_gi_pos = torch.stack([d_gi[:, 0], d_gi[:, 1].flip(0)], dim=2).transpose(0, 1)
+        d_gi2 = d_gi_pos.reshape(B * S, 6 * H)
+        d_w_ih = (d_gi2.t().to(md) @ x.reshape(B * S, E).to(md)).to(f32).view(2, 3 * H, E)
+        d_x = (d_gi2.to(md) @ w_ih.reshape(6 * H, E).to(md)).to(f32).view(B, S, E)
+        return (
+            d_x.to(x.dtype),
+            None,
+            d_w_ih.to(w_ih.dtype),
+            d_gi2.sum(0).view(2, 3 * H),
+            d_w_hh.to(f32).to(w_hh.dtype),
+            d_gh2.sum(1),
+            None,
+        )
+
+
+def bigru_recurrence(
+    x: Tensor, keep: Tensor, w_ih: Tensor, b_ih: Tensor, w_hh: Tensor, b_hh: Tensor
+) -> tuple[Tensor, Tensor]:
+    """A one-layer bidirectional GRU over padded sentences, as torch.nn.GRU over packed ones.
+
+    Args:
+        x: (B, S, E) inputs; keep: (B, S) bool, True at real tokens (a prefix of each row).
+        w_ih (2, 3H, E), b_ih (2, 3H), w_hh (2, 3H, H), b_hh (2, 3H): the forward and the
+            backward direction's torch.nn.GRU weights, stacked.
+    Returns:
+        states (B, S, 2H) (forward ++ backward, 0 at padding) and the final summary (B, 2H):
+        the forward state at the last real token ++ the backward state at the first.
+    """
+    dev = x.device.type
+    mm_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+    with torch.autocast(dev, enabled=False):
+        out, final = _BiGRURecurrence.apply(x, keep, w_ih, b_ih, w_hh, b_hh, mm_dtype)
+    return out, final

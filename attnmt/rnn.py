@@ -20,7 +20,7 @@ from attnmt.config import ModelConfig
 from attnmt.data import Batch
 from attnmt.model import AttentionSpec, Seq2Seq, gold_coins, sequence_loss
 from attnmt.ops import Dropout, linear_cross_entropy
-from attnmt.recurrence import gru_attention_recurrence
+from attnmt.recurrence import bigru_recurrence, gru_attention_recurrence
 from attnmt.tokenizer import PAD_ID
 
 
@@ -49,11 +49,26 @@ class GRUEncoder(nn.Module):
         )
 
     def forward(
-        self, src: torch.Tensor, src_pad_mask: torch.Tensor
+        self, src: torch.Tensor, src_pad_mask: torch.Tensor, fused: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """src (B, S) -> states (B, S, 2H) and final summary (B, 2H)."""
-        lengths = (~src_pad_mask).sum(dim=1).cpu()  # (B,)
+        """src (B, S) -> states (B, S, 2H) and final summary (B, 2H).
+
+        One layer runs as attnmt.recurrence.bigru_recurrence (hand-written backpropagation
+        through time, both directions in one loop); `fused=False`, or more layers, run
+        torch.nn.GRU over packed sequences.
+        """
         x = self.dropout(self.embed(src))  # (B, S, E)
+        if fused and self.rnn.num_layers == 1:
+            r = self.rnn
+            return bigru_recurrence(
+                x,
+                ~src_pad_mask,
+                torch.stack([r.weight_ih_l0, r.weight_ih_l0_reverse]),
+                torch.stack([r.bias_ih_l0, r.bias_ih_l0_reverse]),
+                torch.stack([r.weight_hh_l0, r.weight_hh_l0_reverse]),
+                torch.stack([r.bias_hh_l0, r.bias_hh_l0_reverse]),
+            )  # (B, S, 2H), (B, 2H)
+        lengths = (~src_pad_mask).sum(dim=1).cpu()  # (B,)
         # Packing keeps padding out of the recurrence, so the backward direction starts at
         # each sentence's last real token.
         packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
@@ -168,7 +183,7 @@ class RNNSeq2Seq(Seq2Seq):
                 rnn.bias_ih_l0,
                 rnn.weight_hh_l0,
                 rnn.bias_hh_l0,
-            )  # (T, B, D) each; fmt: skip
+            )  # (T, B, D) each
             return outs.transpose(0, 1), contexts.transpose(0, 1)
         outs, contexts = [], []
         # unbind, not embs[:, t]: the backward of T slices would zero-fill T tensors of embs's

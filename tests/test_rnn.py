@@ -107,3 +107,28 @@ def test_fused_recurrence_under_autocast():
     for name, grad in ref[2].items():
         assert low[2][name].dtype == torch.float32
         torch.testing.assert_close(low[2][name], grad, rtol=0.1, atol=0.05, msg=name)
+
+
+def test_fused_encoder_equals_packed_gru():
+    """The fused bidirectional GRU gives nn.GRU-over-packed-sequences' states, final summary
+    and gradients (embeddings and both directions' weights), padding included."""
+    model = tiny_model("rnn", enc_layers=1).double()
+    batch = random_batch(B=5)
+    assert batch.src_pad_mask.any()
+    g = torch.Generator().manual_seed(2)
+    results = []
+    for fused in (True, False):
+        model.zero_grad()
+        out, final = model.encoder(batch.src, batch.src_pad_mask, fused=fused)
+        w_o = torch.randn(out.shape, generator=g.manual_seed(2), dtype=torch.float64)
+        w_f = torch.randn(final.shape, generator=g, dtype=torch.float64)
+        ((out * w_o).sum() + (final * w_f).sum()).backward()
+        grads = {n: p.grad.clone() for n, p in model.encoder.named_parameters()}
+        results.append((out.detach(), final.detach(), grads))
+    (out, final, grads), (ref_out, ref_final, ref_grads) = results
+    assert torch.all(out[batch.src_pad_mask] == 0)
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(final, ref_final, rtol=1e-10, atol=1e-12)
+    assert len(grads) == 9  # the embedding and 4 weights per direction
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-9, atol=1e-11, msg=name)
