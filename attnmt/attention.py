@@ -41,7 +41,7 @@ class SourceAttention(nn.Module):
         raise NotImplementedError
 
     def score(self, query: torch.Tensor, proj_keys: torch.Tensor) -> torch.Tensor:
-        """query (B, query_size), proj_keys (B, S, A) -> energies (B, S)."""
+        """query (B, G, query_size), proj_keys (B, S, A) -> energies (B, G, S)."""
         raise NotImplementedError
 
     def forward(
@@ -54,16 +54,19 @@ class SourceAttention(nn.Module):
         """One decoder step.
 
         Args:
-            query: (B, query_size) the decoder state.
+            query: (N, query_size) the decoder states; N = G * B, and each group of G
+                consecutive rows (a sentence's beams) attends over the same source row.
             proj_keys: (B, S, A) from project_keys.
             values: (B, S, value_size) the encoder states.
             pad_mask: (B, S) bool, True at source padding.
         Returns:
-            context (B, value_size) and weights (B, S).
+            context (N, value_size) and weights (N, S).
         """
-        weights = masked_softmax(self.score(query, proj_keys), pad_mask)  # (B, S)
-        context = torch.bmm(weights.unsqueeze(1), values).squeeze(1)  # (B, V)
-        return context, weights
+        N, B = query.size(0), values.size(0)
+        q = query.view(B, N // B, -1)  # (B, G, query_size)
+        weights = masked_softmax(self.score(q, proj_keys), pad_mask.unsqueeze(1))  # (B, G, S)
+        context = torch.bmm(weights, values)  # (B, G, V)
+        return context.view(N, -1), weights.view(N, -1)
 
 
 class AdditiveAttention(SourceAttention):
@@ -79,8 +82,9 @@ class AdditiveAttention(SourceAttention):
         return self.key_layer(keys)  # (B, S, hidden_size): W_k k
 
     def score(self, query: torch.Tensor, proj_keys: torch.Tensor) -> torch.Tensor:
-        q = self.query_layer(query).unsqueeze(1)  # (B, 1, H)
-        return self.energy_layer(torch.tanh(q + proj_keys)).squeeze(-1)  # (B, S)
+        q = self.query_layer(query).unsqueeze(2)  # (B, G, 1, H)
+        e = torch.tanh(q + proj_keys.unsqueeze(1))  # (B, G, S, H)
+        return self.energy_layer(e).squeeze(-1)  # (B, G, S)
 
 
 class DotAttention(SourceAttention):
@@ -96,7 +100,7 @@ class DotAttention(SourceAttention):
         return self.key_layer(keys)  # (B, S, query_size)
 
     def score(self, query: torch.Tensor, proj_keys: torch.Tensor) -> torch.Tensor:
-        return torch.bmm(proj_keys, query.unsqueeze(2)).squeeze(2) * self.scale  # (B, S)
+        return torch.bmm(query, proj_keys.transpose(1, 2)) * self.scale  # (B, G, S)
 
 
 def additive_mask(

@@ -6,7 +6,10 @@ A model is used through four explicit methods:
     logits, state, attn = model.decode_step(memory, state, prev_tokens)   # one target position
     loss_sum, n_tokens = model.loss(batch, tf_ratio, label_smoothing, generator)
 and `select_memory` / `select_state` to keep a subset of rows (or repeat them), which search
-uses: beams of one sentence share its memory, so reordering beams touches only the state.
+uses. The state may have G times as many rows as the memory (G >= 1): rows i*G .. i*G+G-1 of
+the state and of prev_tokens then all attend over memory row i. Beam search keeps one memory
+row per sentence for its K beams that way, so the source side is read once per sentence, not
+once per beam, and reordering beams touches only the state.
 """
 
 from __future__ import annotations
@@ -56,8 +59,9 @@ class Seq2Seq(nn.Module):
         prev_tokens: torch.Tensor,
         attention: AttentionSpec | None = None,
     ) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
-        """Advance one position: prev_tokens (B,) -> logits (B, V), new state, and the source
-        attention (B, S) chosen by `attention` (None when not asked for)."""
+        """Advance one position: prev_tokens (N,) -> logits (N, V), new state, and the source
+        attention (N, S) chosen by `attention` (None when not asked for). N = G * B for a
+        memory of B rows: rows i*G .. i*G+G-1 share memory row i."""
         raise NotImplementedError
 
     def select_memory(self, memory: Any, index: torch.Tensor) -> Any:

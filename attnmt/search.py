@@ -118,9 +118,10 @@ def beam_search(
     assert 1 <= n_best <= beam
     B, device, K = src.size(0), src.device, beam
     limits = max_output_lengths(src_pad_mask, max_len_a, max_len_b)  # (B,)
+    # One memory row per sentence, shared by its K beams (see attnmt.model).
     memory = model.encode(src, src_pad_mask)
-    memory = model.select_memory(memory, torch.arange(B, device=device).repeat_interleave(K))
-    state = model.init_state(memory)  # rows: sentence-major, (B * K)
+    beams_of = torch.arange(B, device=device).repeat_interleave(K)  # (B * K,)
+    state = model.select_state(model.init_state(memory), beams_of)  # rows: sentence-major
     # Only the first beam starts alive, so the first step does not pick K copies of one token.
     scores = torch.full((B, K), float("-inf"), device=device)  # (B_a, K) summed log-probs
     scores[:, 0] = 0.0
@@ -192,7 +193,7 @@ def beam_search(
         if len(keep) < n:
             keep_t = torch.tensor(keep, device=device)
             keep_rows = (keep_t.unsqueeze(1) * K + torch.arange(K, device=device)).view(-1)
-            memory = model.select_memory(memory, keep_rows)
+            memory = model.select_memory(memory, keep_t)
             # One gather of the decoder state: the reordered beams of the sentences kept.
             state = model.select_state(state, rows[keep_rows])
             scores, prev, tokens = scores[keep_t], prev[keep_rows], tokens[keep_rows]

@@ -153,8 +153,9 @@ class DecoderLayer(nn.Module):
         src_mask: torch.Tensor,
         need_weights: bool = False,
     ) -> tuple[torch.Tensor, LayerCache, torch.Tensor | None]:
-        """One new position: x (B, 1, d) -> (B, 1, d), the grown cache, and (if asked) the
-        per-head cross-attention weights (B, h, 1, S)."""
+        """One new position: x (N, 1, d) -> (N, 1, d), the grown cache, and (if asked) the
+        per-head cross-attention weights (N, h, 1, S). N = G * B for cross_k of B rows:
+        each group of G consecutive rows (a sentence's beams) shares one memory row."""
         h = self.res_self.normed_input(x)
         k_new, v_new = self.self_attn.project_kv(h, h)  # (B, h, 1, d_h)
         k = torch.cat([cache.self_k, k_new], dim=2)  # (B, h, t+1, d_h)
@@ -162,10 +163,20 @@ class DecoderLayer(nn.Module):
         # The newest position may see every cached one: no causal mask needed.
         x = self.res_self.add(x, self.self_attn.attend(h, k, v)[0])
         h = self.res_cross.normed_input(x)
+        N, _, d = h.shape
+        B = cross_k.size(0)
+        # A group's G queries attend together as G query positions of its memory row.
         out, weights = self.cross_attn.attend(
-            h, cross_k, cross_v, src_mask, need_weights=need_weights, average_attn_weights=False
-        )  # (B, 1, d), (B, h, 1, S)
-        x = self.res_cross.add(x, out)
+            h.view(B, N // B, d),
+            cross_k,
+            cross_v,
+            src_mask,
+            need_weights=need_weights,
+            average_attn_weights=False,
+        )  # (B, G, d), (B, h, G, S); fmt: skip
+        x = self.res_cross.add(x, out.view(N, 1, d))
+        if weights is not None:
+            weights = weights.transpose(1, 2).reshape(N, -1, 1, weights.size(-1))  # (N, h, 1, S)
         x = self.res_ff.add(x, self.ff(self.res_ff.normed_input(x)))
         return x, LayerCache(k, v), weights
 
