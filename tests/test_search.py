@@ -10,10 +10,12 @@ from attnmt.config import from_dict
 from attnmt.evaluate import SearchOptions, translate
 from attnmt.model import AttentionSpec, Seq2Seq
 from attnmt.search import (
+    argmax_rows,
     beam_search,
     greedy_search,
     length_penalty,
     max_output_lengths,
+    topk_rows,
 )
 from attnmt.train import train
 
@@ -197,3 +199,18 @@ def test_beam_keeps_the_best_hypothesis_on_a_confident_model(K):
     best = beam_search(model, src, pad, K, 1.0, 3.0, 5)[0][0]
     assert greedy.tokens == [5, 6, 7, 8, 9, 10, 11, 5]
     assert best.tokens == greedy.tokens and best.ended
+
+
+@pytest.mark.parametrize("L", [8000, 40000, 8001 * 5, 23, 101])
+def test_topk_rows_and_argmax_rows_equal_torch(L):
+    g = torch.Generator().manual_seed(L)
+    x = torch.randn(7, L, generator=g)
+    x[0, : L // 2] = float("-inf")  # a row with many equal (-inf) values
+    x[1, 5] = x[1, L - 3] = x[1].max() + 1  # a tied maximum: the first one counts
+    values, idx = topk_rows(x, 10)
+    ref_values, ref_idx = x.topk(10, dim=1)
+    assert torch.equal(values, ref_values)
+    assert torch.equal(idx[2:], ref_idx[2:])  # rows without ties among their top 10
+    assert torch.equal(x.gather(1, idx), values)
+    assert torch.equal(argmax_rows(x), x.argmax(dim=1))
+    assert int(argmax_rows(x)[1]) == 5
