@@ -27,6 +27,35 @@ import torch
 Tensor = torch.Tensor
 
 
+def _gru_cell(
+    gi: Tensor, gh: Tensor, h: Tensor, gates: Tensor, gh_n: Tensor, out: Tensor
+) -> Tensor:
+    """One GRU update from the input and hidden projections gi, gh (..., 3H) of state h
+    (..., H); writes r, z, n into gates (3, ..., H), W_hn h + b_hn into gh_n and the new state
+    into out, which it returns."""
+    H = h.size(-1)
+    r = torch.sigmoid(gi[..., :H] + gh[..., :H], out=gates[0])
+    z = torch.sigmoid(gi[..., H : 2 * H] + gh[..., H : 2 * H], out=gates[1])
+    gh_n.copy_(gh[..., 2 * H :])
+    n = torch.tanh(torch.addcmul(gi[..., 2 * H :], r, gh_n), out=gates[2])
+    return torch.lerp(n, h, z, out=out)  # (1 - z) n + z h
+
+
+def _gru_cell_backward(
+    d_out: Tensor, h: Tensor, gates: Tensor, gh_n: Tensor, d_gi: Tensor, d_gh: Tensor
+) -> Tensor:
+    """Backward of _gru_cell for the gradient d_out of its new state: writes the gradients of
+    gi and gh into d_gi, d_gh (..., 3H) and returns the part of h's gradient that does not go
+    through W_hh (d_out ⊙ z)."""
+    r, z, n = gates
+    d_npre = d_out * (1 - z) * (1 - n * n)  # through n's tanh
+    d_rpre = d_npre * gh_n * r * (1 - r)
+    d_zpre = d_out * (h - n) * z * (1 - z)
+    torch.cat([d_rpre, d_zpre, d_npre], dim=-1, out=d_gi)
+    torch.cat([d_rpre, d_zpre, d_npre * r], dim=-1, out=d_gh)
+    return d_out * z
+
+
 class _GRUAttentionRecurrence(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -76,11 +105,7 @@ class _GRUAttentionRecurrence(torch.autograd.Function):
             c = torch.bmm(alpha.unsqueeze(1), vals, out=ctxs[t].unsqueeze(1)).squeeze(1)  # (B, D)
             gi = mm(c, w_icT) + ge[t]  # (B, 3D)
             gh = mm(s, w_hhT) + b_hh_  # (B, 3D)
-            r = torch.sigmoid(gi[:, :D] + gh[:, :D], out=gates[t, 0])  # (B, D)
-            z = torch.sigmoid(gi[:, D : 2 * D] + gh[:, D : 2 * D], out=gates[t, 1])
-            gh_n = gh_ns[t].copy_(gh[:, 2 * D :])
-            n = torch.tanh(torch.addcmul(gi[:, 2 * D :], r, gh_n), out=gates[t, 2])
-            s = torch.lerp(n, s, z, out=outs[t])  # (1 - z) n + z s
+            s = _gru_cell(gi, gh, s, gates[t], gh_ns[t], outs[t])  # (B, D)
         ctx.save_for_backward(embs, h0, values, w_q, v, w_ih, w_hh, outs, ctxs, es, alphas)
         ctx.gates, ctx.gh_ns, ctx.mm_dtype = gates, gh_ns, mm_dtype  # type: ignore[attr-defined]
         ctx.keys_dtype = proj_keys.dtype  # type: ignore[attr-defined]
@@ -117,16 +142,7 @@ class _GRUAttentionRecurrence(torch.autograd.Function):
         for t in range(T - 1, -1, -1):
             ds += d_outs[t]
             s_prev = outs[t - 1] if t > 0 else h0.to(f32)
-            r, z, n = gates[t]
-            # s' = n + z (s - n)
-            d_n = ds * (1 - z)
-            d_z = ds * (s_prev - n)
-            ds_prev = ds * z
-            d_npre = d_n * (1 - n * n)  # through tanh
-            d_rpre = d_npre * gh_ns[t] * r * (1 - r)
-            d_zpre = d_z * z * (1 - z)
-            torch.cat([d_rpre, d_zpre, d_npre], dim=1, out=d_gi[t])
-            torch.cat([d_rpre, d_zpre, d_npre * r], dim=1, out=d_gh[t])
+            ds_prev = _gru_cell_backward(ds, s_prev, gates[t], gh_ns[t], d_gi[t], d_gh[t])
             ds_prev += mm(d_gh[t], w_hh_)  # (B, D)
             dc = torch.add(d_ctxs[t], mm(d_gi[t], w_ic), out=d_c[t])  # (B, D)
             # Attention: c = α values, α = softmax(scores), scores = v · e, e = tanh(q + K).
@@ -244,11 +260,7 @@ class _BiGRURecurrence(torch.autograd.Function):
             h_prev[i] = h
             gh = torch.bmm(h.to(md), w_hhT).to(f32) + b_hh_  # (2, B, 3H)
             g = gi[i]  # (2, B, 3H)
-            r = torch.sigmoid(g[..., :H] + gh[..., :H], out=gates[i, 0])  # (2, B, H)
-            z = torch.sigmoid(g[..., H : 2 * H] + gh[..., H : 2 * H], out=gates[i, 1])
-            gh_n = gh_ns[i].copy_(gh[..., 2 * H :])
-            n = torch.tanh(torch.addcmul(g[..., 2 * H :], r, gh_n), out=gates[i, 2])
-            hn = torch.lerp(n, h, z, out=h_new[i])  # (1 - z) n + z h
+            hn = _gru_cell(g, gh, h, gates[i], gh_ns[i], h_new[i])  # (2, B, H)
             h = torch.where(masks[i] > 0, hn, h)
         out_steps = h_new * masks  # (S, 2, B, H), 0 past the end
         out = torch.cat([out_steps[:, 0], out_steps[:, 1].flip(0)], dim=-1)  # (S, B, 2H)
@@ -280,15 +292,8 @@ class _BiGRURecurrence(torch.autograd.Function):
             mask = masks[i] > 0  # (2, B, 1)
             d_hn = torch.where(mask, dh + d_steps[i], 0.0)  # gradient of the GRU output
             dh = torch.where(mask, 0.0, dh)  # the state passed through unchanged
-            r, z, n = gates[i]
-            hp = h_prev[i]
-            d_n = d_hn * (1 - z)
-            d_npre = d_n * (1 - n * n)
-            d_rpre = d_npre * gh_ns[i] * r * (1 - r)
-            d_zpre = d_hn * (hp - n) * z * (1 - z)
-            torch.cat([d_rpre, d_zpre, d_npre], dim=-1, out=d_gi[i])
-            torch.cat([d_rpre, d_zpre, d_npre * r], dim=-1, out=d_gh[i])
-            dh += d_hn * z + torch.bmm(d_gh[i].to(md), w_hh_).to(f32)
+            dh += _gru_cell_backward(d_hn, h_prev[i], gates[i], gh_ns[i], d_gi[i], d_gh[i])
+            dh += torch.bmm(d_gh[i].to(md), w_hh_).to(f32)
         # Weight gradients: one batched matmul per weight over all S * B rows.
         d_gh2 = d_gh.transpose(0, 1).reshape(2, S * B, 3 * H)
         d_w_hh = torch.bmm(

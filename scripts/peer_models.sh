@@ -10,7 +10,7 @@
 #   Tq: Noam with warmup 800 and factor 0.4525 (peak 0.001 at step 800, then x sqrt(800/step),
 #       = attnmt's inverse_sqrt with lr 0.001), gradient-norm clip 1, 1,000 steps
 #   Rq: lr 0.001 (attnmt halves it on dev plateaus; OpenNMT-py has no such schedule here),
-#       label smoothing 0.1, 2,500 steps
+#       label smoothing 0.1, 2,000 steps (attnmt: 2,500)
 # and writes models/onmt_{Tq,Rq}/ under $PEERS_RUN (default /tmp/peers-run), where
 # `bench.sh decode onmt Tq|Rq BEAM` finds them.
 set -euo pipefail
@@ -26,7 +26,7 @@ case $cfg in
   T) steps=1000
      sed -i -e 's/^learning_rate: .*/learning_rate: 0.4525/' -e 's/^warmup_steps: .*/warmup_steps: 800/' \
        -e 's/^max_grad_norm: .*/max_grad_norm: 1/' "$conf" ;;
-  R) steps=2500
+  R) steps=2000
      sed -i -e 's/^learning_rate: .*/learning_rate: 0.001/' -e 's/^label_smoothing: .*/label_smoothing: 0.1/' "$conf" ;;
   *) echo "peer_models.sh: config must be T or R, not '$cfg'" >&2; exit 2 ;;
 esac
