@@ -27,6 +27,21 @@ import torch
 Tensor = torch.Tensor
 
 
+def _mm(a: Tensor, b: Tensor, md: torch.dtype, out: torch.dtype) -> Tensor:
+    """a @ b (batched when 3-D) with both operands in the matmul dtype md, the result in out.
+    Casting a tensor already in md is free, so hot loops pass weights cast once."""
+    return (a.to(md) @ b.to(md)).to(out)
+
+
+def _autocast_matmul_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast would run matmuls in here, or None when it is off. The functions
+    below run with autocast off and cast their matmul operands themselves, keeping the
+    element-wise math in fp32 (as ops.linear_cross_entropy does)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
 def _gru_cell(
     gi: Tensor, gh: Tensor, h: Tensor, gates: Tensor, gh_n: Tensor, out: Tensor
 ) -> Tensor:
@@ -79,8 +94,8 @@ class _GRUAttentionRecurrence(torch.autograd.Function):
         f32 = torch.promote_types(embs.dtype, torch.float32)
         md = mm_dtype or f32
 
-        def mm(x: Tensor, w: Tensor) -> Tensor:  # x @ w, operands in the matmul dtype
-            return (x.to(md) @ w).to(f32)
+        def mm(x: Tensor, w: Tensor) -> Tensor:
+            return _mm(x, w, md, f32)
 
         w_qT, w_hhT = w_q.t().to(md), w_hh.t().to(md)  # (D, A), (D, 3D)
         w_icT = w_ih[:, E:].t().to(md)  # (D, 3D)
@@ -123,7 +138,7 @@ class _GRUAttentionRecurrence(torch.autograd.Function):
         md = ctx.mm_dtype or f32  # type: ignore[attr-defined]
 
         def mm(x: Tensor, w: Tensor) -> Tensor:
-            return (x.to(md) @ w).to(f32)
+            return _mm(x, w, md, f32)
 
         w_q_, w_hh_, w_ic = w_q.to(md), w_hh.to(md), w_ih[:, E:].to(md)  # (A,D), (3D,D), (3D,D)
         v_ = v.reshape(A).to(f32)
@@ -213,7 +228,7 @@ def gru_attention_recurrence(
     ops.linear_cross_entropy.
     """
     dev = embs.device.type
-    mm_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+    mm_dtype = _autocast_matmul_dtype(dev)
     with torch.autocast(dev, enabled=False):
         outs, ctxs = _GRUAttentionRecurrence.apply(
             embs, h0, proj_keys, values, pad_mask, w_q, b_q, v, w_ih, b_ih, w_hh, b_hh, mm_dtype
@@ -244,7 +259,7 @@ class _BiGRURecurrence(torch.autograd.Function):
         f32 = torch.promote_types(x.dtype, torch.float32)
         md = mm_dtype or f32
         # Input projections of both directions for all positions: one matmul, (B, S, 6H).
-        gi = (x.reshape(B * S, E).to(md) @ w_ih.reshape(6 * H, E).t().to(md)).to(f32)
+        gi = _mm(x.reshape(B * S, E), w_ih.reshape(6 * H, E).t(), md, f32)
         gi = gi.view(B, S, 2, 3 * H).add_(b_ih.to(f32))  # (B, S, 2, 3H)
         # Step-major: [i, 0] = forward direction at position i, [i, 1] = backward at S-1-i.
         gi = torch.stack([gi[:, :, 0].transpose(0, 1), gi[:, :, 1].flip(1).transpose(0, 1)], 1)
@@ -258,7 +273,7 @@ class _BiGRURecurrence(torch.autograd.Function):
         h = x.new_zeros((2, B, H), dtype=f32)
         for i in range(S):
             h_prev[i] = h
-            gh = torch.bmm(h.to(md), w_hhT).to(f32) + b_hh_  # (2, B, 3H)
+            gh = _mm(h, w_hhT, md, f32) + b_hh_  # (2, B, 3H)
             g = gi[i]  # (2, B, 3H)
             hn = _gru_cell(g, gh, h, gates[i], gh_ns[i], h_new[i])  # (2, B, H)
             h = torch.where(masks[i] > 0, hn, h)
@@ -293,23 +308,21 @@ class _BiGRURecurrence(torch.autograd.Function):
             d_hn = torch.where(mask, dh + d_steps[i], 0.0)  # gradient of the GRU output
             dh = torch.where(mask, 0.0, dh)  # the state passed through unchanged
             dh += _gru_cell_backward(d_hn, h_prev[i], gates[i], gh_ns[i], d_gi[i], d_gh[i])
-            dh += torch.bmm(d_gh[i].to(md), w_hh_).to(f32)
+            dh += _mm(d_gh[i], w_hh_, md, f32)
         # Weight gradients: one batched matmul per weight over all S * B rows.
         d_gh2 = d_gh.transpose(0, 1).reshape(2, S * B, 3 * H)
-        d_w_hh = torch.bmm(
-            d_gh2.transpose(1, 2).to(md), h_prev.transpose(0, 1).reshape(2, S * B, H).to(md)
-        )
+        d_w_hh = _mm(d_gh2.transpose(1, 2), h_prev.transpose(0, 1).reshape(2, S * B, H), md, f32)
         # Back to positions: (B, S, 2, 3H).
         d_gi_pos = torch.stack([d_gi[:, 0], d_gi[:, 1].flip(0)], dim=2).transpose(0, 1)
         d_gi2 = d_gi_pos.reshape(B * S, 6 * H)
-        d_w_ih = (d_gi2.t().to(md) @ x.reshape(B * S, E).to(md)).to(f32).view(2, 3 * H, E)
-        d_x = (d_gi2.to(md) @ w_ih.reshape(6 * H, E).to(md)).to(f32).view(B, S, E)
+        d_w_ih = _mm(d_gi2.t(), x.reshape(B * S, E), md, f32).view(2, 3 * H, E)
+        d_x = _mm(d_gi2, w_ih.reshape(6 * H, E), md, f32).view(B, S, E)
         return (
             d_x.to(x.dtype),
             None,
             d_w_ih.to(w_ih.dtype),
             d_gi2.sum(0).view(2, 3 * H),
-            d_w_hh.to(f32).to(w_hh.dtype),
+            d_w_hh.to(w_hh.dtype),
             d_gh2.sum(1),
             None,
         )
@@ -329,7 +342,7 @@ def bigru_recurrence(
         the forward state at the last real token ++ the backward state at the first.
     """
     dev = x.device.type
-    mm_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+    mm_dtype = _autocast_matmul_dtype(dev)
     with torch.autocast(dev, enabled=False):
         out, final = _BiGRURecurrence.apply(x, keep, w_ih, b_ih, w_hh, b_hh, mm_dtype)
     return out, final
