@@ -2,7 +2,8 @@
 """Benchmarks (figures for the README and issues; never timed in unit tests).
 
     python scripts/bench.py train [--data DIR] [--steps 200] [--warmup 50] [--configs T,R]
-                                  [--threads 2] [--dev-sentences 500] [--set KEY=VALUE ...]
+                                  [--threads 2] [--procs 1] [--dev-sentences 500]
+                                  [--set KEY=VALUE ...]
     python scripts/bench.py decode --model DIR [--model DIR ...] [--data DIR] [--runs N]
                                    [--beams 1,5] [--batch-sentences 64] [--max-len 60]
                                    [--threads 2]
@@ -22,9 +23,11 @@ second, median over the steps after --warmup), tokens_per_s_wall (their sum over
 step times), padding (share of padded source + target positions), model_gflops (6 x
 parameters x tokens_per_s), peak_gflops (best square-matmul rate measured in this process with
 the same threads, in the run's precision: fp32 unless --set train.precision=bf16|fp16),
-peak_share, max_rss_mb (the child's peak resident memory), dev_loss
-(on the first --dev-sentences val pairs after the last step: compares precisions or code
-changes after the same number of steps).
+peak_share, max_rss_mb (the child's peak resident memory; with --procs, the largest
+process's), dev_loss (on the first --dev-sentences val pairs after the last step: compares
+precisions or code changes after the same number of steps). --procs N trains data-parallel
+over N processes (torchrun, DDP over gloo), each with threads/N threads and 1/N of the batch
+(T's tokens, R's sentences), so a step still covers about the same target tokens.
 """
 
 from __future__ import annotations
@@ -169,11 +172,14 @@ def bench_train(args: argparse.Namespace) -> None:
                     "max_steps": args.steps,
                     "eval_every": args.steps + 1,
                     "log_every": 1,
-                    "threads": args.threads,
+                    "threads": args.threads // args.procs,
                     "device": "cpu",
                     "seed": 1234,
                 },
             }
+            # R's batches are counted in sentences (its token limit is only a cap), T's in tokens.
+            per_rank = "batch_sentences" if "batch_sentences" in cfg["train"] else "batch_tokens"
+            cfg["train"][per_rank] //= args.procs
             (work / "config.yaml").write_text(yaml.safe_dump(cfg))
             precision = next(
                 (a.split("=", 1)[1] for a in args.set if a.startswith("train.precision=")), "fp32"
@@ -183,10 +189,15 @@ def bench_train(args: argparse.Namespace) -> None:
             )
             peak = matmul_peak_gflops(args.threads, peak_dtype)
             cmd = [sys.executable, "-m", "attnmt", "train", "--config", str(work / "config.yaml")]
+            if args.procs > 1:
+                # Data parallel over processes (DDP over gloo): each rank takes 1/procs of a
+                # batch and of the threads, so an optimizer step sees the same tokens.
+                run = ["-m", "torch.distributed.run", "--standalone"]
+                cmd[1:1] = [*run, "--nproc_per_node", str(args.procs)]
             cmd += ["--out", str(work / "model"), "--quiet"]
             for assignment in args.set:
                 cmd += ["--set", assignment]
-            env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+            env = {**os.environ, "OMP_NUM_THREADS": str(args.threads // args.procs)}
             child = subprocess.Popen(cmd, env=env)
             _, status, usage = os.wait4(child.pid, 0)
             if status != 0:
@@ -225,6 +236,7 @@ def bench_train(args: argparse.Namespace) -> None:
                     "dev_loss": round(dev_loss, 4),
                     "dev_sentences": args.dev_sentences,
                     "threads": args.threads,
+                    "procs": args.procs,
                     "overrides": args.set,
                 }
             ),
@@ -252,7 +264,13 @@ def main() -> int:
     t.add_argument(
         "--configs", type=lambda s: s.split(","), default=["T", "R"], help="e.g. T,R or T"
     )
-    t.add_argument("--threads", type=int, default=2)
+    t.add_argument("--threads", type=int, default=2, help="threads in all")
+    t.add_argument(
+        "--procs",
+        type=int,
+        default=1,
+        help="data-parallel processes (torchrun, gloo), each with threads/procs threads",
+    )
     t.add_argument(
         "--dev-sentences", type=int, default=500, help="val sentences for the final dev loss"
     )
@@ -265,6 +283,8 @@ def main() -> int:
     elif args.what == "train":
         if not 0 <= args.warmup < args.steps:
             ap.error("--warmup must be below --steps")
+        if not 1 <= args.procs <= args.threads:
+            ap.error("--procs must be between 1 and --threads")
         bench_train(args)
     return 0
 
