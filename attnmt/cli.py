@@ -10,12 +10,15 @@ import json
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from attnmt import __version__
 from attnmt.errors import AttnmtError, DataError, TrainingInterrupted
+
+if TYPE_CHECKING:
+    import torch
 
 app = typer.Typer(
     name="attnmt",
@@ -29,6 +32,15 @@ app = typer.Typer(
 # Options that translate and eval share.
 WeightsOption = Annotated[str, typer.Option("--weights", help="Which checkpoint: best or last.")]
 DeviceOption = Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")]
+WorkersOption = Annotated[
+    int | None,
+    typer.Option(
+        "--workers",
+        min=1,
+        max=64,
+        help="CPU: batches searched at once, each on its share of the threads (default: config).",
+    ),
+]
 
 
 def _version(value: bool) -> None:
@@ -138,6 +150,7 @@ def translate(
     ] = None,
     weights: WeightsOption = "best",
     device: DeviceOption = "auto",
+    workers: WorkersOption = None,
 ) -> None:
     """Translate text, one line in, one line out (beam search, or greedy with --beam 1)."""
     from attnmt.evaluate import SearchOptions
@@ -172,9 +185,11 @@ def translate(
         n_best=n_best,
         attention=spec,
     )
+    n_workers = _workers(workers, cfg.decode.workers, dev)
     results = run_translate(
-        net, tokenizer, lines, options, batch_tokens or cfg.decode.batch_tokens, None, dev
-    )
+        net, tokenizer, lines, options, batch_tokens or cfg.decode.batch_tokens, None, dev,
+        n_workers,
+    )  # fmt: skip
     if n_best == 1:
         text = "".join(r[0].text + "\n" for r in results)
     else:
@@ -195,6 +210,14 @@ def translate(
         )  # fmt: skip
         for i, r in enumerate(results):
             write_attention_map(attention, i, r[0], f"line {i}: {what}")
+
+
+def _workers(option: int | None, configured: int, device: torch.device) -> int:
+    """--workers, else decode.workers; more than one only on the CPU (threads share a GPU's
+    stream for nothing)."""
+    if option is not None and option > 1 and device.type != "cpu":
+        raise AttnmtError(f"--workers {option}: parallel batches are for CPU decoding only")
+    return (configured if option is None else option) if device.type == "cpu" else 1
 
 
 def _load(model_dir: Path, weights: str, device: str) -> tuple:
@@ -236,6 +259,7 @@ def evaluate(
     ] = None,
     weights: WeightsOption = "best",
     device: DeviceOption = "auto",
+    workers: WorkersOption = None,
 ) -> None:
     """Score translations with sacreBLEU (BLEU, chrF); translate --src first if --model is given."""
     from attnmt.data import read_lines
@@ -260,7 +284,10 @@ def evaluate(
 
         cfg, tokenizer, net, dev = _load(model, weights, device)
         options = search_options(cfg.decode, beam)
-        hyps = translate_lines(net, tokenizer, sources, options, cfg.decode.batch_tokens, dev)
+        n_workers = _workers(workers, cfg.decode.workers, dev)
+        hyps = translate_lines(
+            net, tokenizer, sources, options, cfg.decode.batch_tokens, dev, n_workers
+        )
         name = str(src)
         if output is not None:
             output.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")

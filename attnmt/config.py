@@ -127,6 +127,7 @@ class DecodeConfig(_Section):
     max_len_a: float = Field(1.5, ge=0.0, le=10.0)
     max_len_b: int = Field(10, ge=1, le=1000)
     batch_tokens: int = Field(8000, ge=1)
+    workers: int = Field(1, ge=1, le=64)
 
 
 class Config(_Section):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import sacrebleu
@@ -11,7 +12,7 @@ import torch
 from attnmt.config import DecodeConfig
 from attnmt.data import pad_sequences, sorted_batches
 from attnmt.model import AttentionSpec, Seq2Seq
-from attnmt.search import beam_search, greedy_search
+from attnmt.search import Hypothesis, beam_search, greedy_search
 from attnmt.tokenizer import EOS_ID, PAD_ID, Tokenizer
 
 
@@ -36,7 +37,6 @@ class SearchOptions:
     attention: AttentionSpec | None = None
 
 
-@torch.no_grad()
 def translate(
     model: Seq2Seq,
     tokenizer: Tokenizer,
@@ -45,12 +45,18 @@ def translate(
     batch_tokens: int,
     batch_sentences: int | None = None,
     device: torch.device | str = "cpu",
+    workers: int = 1,
 ) -> list[list[Translation]]:
     """Translate each line: options.n_best translations per input, in input order.
 
     Sentences are batched by length (longest first, at most batch_tokens source tokens and
     batch_sentences sentences per batch) and put back in order; an empty or whitespace-only
     line gives empty translations without touching the model. Beam 1 is greedy search.
+
+    workers > 1 searches that many batches at once on as many threads, which share the
+    intra-op threads (torch.get_num_threads() // workers each, at least 1): a decoding step's
+    small matmuls and elementwise ops keep one core busy each better than two cores together
+    (the idea of CTranslate2's inter_threads). The results do not depend on it.
     """
     was_training = model.training
     model.eval()
@@ -58,22 +64,34 @@ def translate(
     outputs: list[list[Translation]] = [[empty] * options.n_best for _ in lines]
     todo = [i for i, line in enumerate(lines) if line.strip()]
     src = [[*s, EOS_ID] for s in tokenizer.src.encode([lines[i].strip() for i in todo])]
-    for batch in sorted_batches([len(s) for s in src], batch_tokens, batch_sentences):
+    batches = list(sorted_batches([len(s) for s in src], batch_tokens, batch_sentences))
+
+    @torch.inference_mode()  # per thread, like grad mode: set in the thread that searches
+    def search(batch: list[int]) -> list[list[Hypothesis]]:
         tokens = pad_sequences([src[j] for j in batch], PAD_ID).to(device)  # (B, S)
         pad_mask = tokens == PAD_ID  # (B, S)
         if options.beam == 1:
-            found = [
+            return [
                 [h]
                 for h in greedy_search(
                     model, tokens, pad_mask, options.max_len_a, options.max_len_b,
                     options.attention,
                 )
             ]  # fmt: skip
-        else:
-            found = beam_search(
-                model, tokens, pad_mask, options.beam, options.length_penalty,
-                options.max_len_a, options.max_len_b, options.n_best, options.attention,
-            )  # fmt: skip
+        return beam_search(
+            model, tokens, pad_mask, options.beam, options.length_penalty,
+            options.max_len_a, options.max_len_b, options.n_best, options.attention,
+        )  # fmt: skip
+
+    if workers > 1 and len(batches) > 1:
+        threads = max(1, torch.get_num_threads() // workers)
+        with ThreadPoolExecutor(
+            workers, "attnmt-search", torch.set_num_threads, (threads,)
+        ) as pool:
+            results = list(pool.map(search, batches))
+    else:
+        results = [search(batch) for batch in batches]
+    for batch, found in zip(batches, results, strict=True):
         for j, hyps in zip(batch, found, strict=True):
             src_pieces = tokenizer.src.pieces(src[j])
             outputs[todo[j]] = [
@@ -97,10 +115,12 @@ def translate_lines(
     options: SearchOptions,
     batch_tokens: int,
     device: torch.device | str = "cpu",
+    workers: int = 1,
 ) -> list[str]:
     """The best translation of each line as text; exactly one output per input, in order."""
     n1 = replace(options, n_best=1, attention=None)
-    return [t[0].text for t in translate(model, tokenizer, lines, n1, batch_tokens, None, device)]
+    found = translate(model, tokenizer, lines, n1, batch_tokens, None, device, workers)
+    return [t[0].text for t in found]
 
 
 def search_options(cfg: DecodeConfig, beam: int | None = None) -> SearchOptions:

@@ -6,14 +6,15 @@
                                   [--set KEY=VALUE ...]
     python scripts/bench.py decode --model DIR [--model DIR ...] [--data DIR] [--runs N]
                                    [--beams 1,5] [--batch-sentences 64] [--max-len 60]
-                                   [--threads 2]
+                                   [--threads 2] [--workers 1[,2]]
 
 decode: translates Multi30k test_2016_flickr (1,000 sentences, from --data, default
 data/multi30k) with each model and beam size, the way ../shared/peers measures JoeyNMT and
 OpenNMT-py: batches of 64 sentences, at most 60 output pieces, GNMT length penalty 1.0, 2
-threads, model loading excluded. Prints one JSON line per (model, beam) with the median over
---runs runs of sentences/s and output pieces/s (EOS excluded), the mean output length, and
-BLEU/chrF with sacreBLEU signatures.
+threads, model loading excluded. Prints one JSON line per (model, beam, workers) with the
+median over --runs runs of sentences/s and output pieces/s (EOS excluded), the mean output
+length, and BLEU/chrF with sacreBLEU signatures. --workers 2 searches two batches at once, each
+on one of the 2 threads (`attnmt translate --workers`).
 
 train: trains each config under test (T: Transformer 3+3, d256, 4 heads, FF 1024, ~4,096-token
 batches; R: bi-GRU 256 per direction + GRU decoder with Bahdanau attention, 64 sentences per
@@ -57,17 +58,16 @@ def bench_decode(args: argparse.Namespace) -> None:
     ref = read_lines(args.data / "test_2016_flickr.en.gz")
     for model_dir in args.model:
         cfg, tokenizer, model = load_model_dir(model_dir)
-        for beam in args.beams:
+        for beam, workers in ((b, w) for b in args.beams for w in args.workers):
             options = SearchOptions(
                 beam=beam, length_penalty=1.0, max_len_a=0.0, max_len_b=args.max_len
             )
             times, result = [], None
             for _ in range(args.runs):
                 start = time.perf_counter()
-                with torch.inference_mode():
-                    result = translate(
-                        model, tokenizer, src, options, 1 << 30, args.batch_sentences
-                    )
+                result = translate(
+                    model, tokenizer, src, options, 1 << 30, args.batch_sentences, "cpu", workers
+                )
                 times.append(time.perf_counter() - start)
             assert result is not None
             hyps = [r[0].text for r in result]
@@ -94,6 +94,7 @@ def bench_decode(args: argparse.Namespace) -> None:
                         "chrf": round(s.chrf, 2),
                         "bleu_signature": s.bleu_signature,
                         "threads": args.threads,
+                        "workers": workers,
                         "batch_sentences": args.batch_sentences,
                         "max_len": args.max_len,
                     }
@@ -256,7 +257,13 @@ def main() -> int:
     )
     d.add_argument("--batch-sentences", type=int, default=64)
     d.add_argument("--max-len", type=int, default=60, help="output pieces at most")
-    d.add_argument("--threads", type=int, default=2)
+    d.add_argument("--threads", type=int, default=2, help="threads in all")
+    d.add_argument(
+        "--workers",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1],
+        help="batches searched at once, sharing the threads; e.g. 1,2 measures both",
+    )
     t = sub.add_parser("train", help="training speed on Multi30k de-en")
     t.add_argument("--data", type=Path, default=Path("data/multi30k"), help="Multi30k folder")
     t.add_argument("--steps", type=int, default=200, help="training steps per config")

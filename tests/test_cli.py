@@ -174,6 +174,14 @@ def test_train_translate_eval_end_to_end(tmp_path: Path, corpus, run_cli, arch):
     r = run_cli("translate", "-m", str(model), "-i", str(corpus["dev_src"]), "-o", str(out))
     assert r.code == 0, r.stderr
     assert len(out.read_text().splitlines()) == 20
+    # two batches searched at once: the same lines
+    out2 = tmp_path / "hyp2.txt"
+    r = run_cli(
+        "translate", "-m", str(model), "-i", str(corpus["dev_src"]), "-o", str(out2),
+        "--workers", "2", "--batch-tokens", "40",
+    )  # fmt: skip
+    assert r.code == 0, r.stderr
+    assert out2.read_text() == out.read_text()
     # eval: translate and score
     r = run_cli(
         "eval",

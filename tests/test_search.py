@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -146,6 +148,42 @@ def test_same_output_whatever_batch_size_and_order(trained, beam):
     assert len(one) == 15 and all(len(r) == beam for r in one)
     assert one[3][0].text == ""
     assert len(one[7][0].tgt_pieces) - 1 <= 1.5 * len(one[7][0].src_pieces) + 10
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_parallel_workers_give_the_same_translations(trained, beam, monkeypatch):
+    model, tok, _, _ = trained
+    lines, _ = make_pairs(13, 21)
+    opts = SearchOptions(beam=beam, n_best=beam, attention=AttentionSpec())
+    serial = translate(model, tok, lines, opts, batch_tokens=10_000, batch_sentences=2)
+    import attnmt.evaluate as evaluate
+
+    seen: list[tuple[str, int]] = []  # (thread name, its intra-op threads) per batch
+    search = evaluate.greedy_search if beam == 1 else evaluate.beam_search
+
+    def recording(*args, **kwargs):
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        return search(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "greedy_search" if beam == 1 else "beam_search", recording)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        parallel = translate(
+            model, tok, lines, opts, batch_tokens=10_000, batch_sentences=2, workers=3
+        )
+        assert torch.get_num_threads() == 4  # the caller's setting is left alone
+    finally:
+        torch.set_num_threads(threads)
+    assert len(seen) == 7 and all(name.startswith("attnmt-search") for name, _ in seen)
+    assert {n for _, n in seen} == {1}  # 4 threads // 3 workers
+    for a, b in zip(serial, parallel, strict=True):
+        assert [t.text for t in a] == [t.text for t in b]
+        assert [t.tgt_pieces for t in a] == [t.tgt_pieces for t in b]
+        for x, y in zip(a, b, strict=True):
+            assert x.score == pytest.approx(y.score, abs=1e-5)
+            assert x.attention is not None and y.attention is not None
+            torch.testing.assert_close(x.attention, y.attention)
 
 
 def test_attention_weights_follow_the_hypothesis(trained):
