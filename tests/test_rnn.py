@@ -134,6 +134,24 @@ def test_fused_encoder_equals_packed_gru():
         torch.testing.assert_close(grads[name], grad, rtol=1e-9, atol=1e-11, msg=name)
 
 
+def test_encoder_without_gradient_runs_packed_gru(monkeypatch):
+    """Decoding and validation (no gradient) take nn.GRU's faster loop, with the same states."""
+    import attnmt.rnn as rnn
+
+    model = tiny_model("rnn", enc_layers=1).double().eval()
+    batch = random_batch(B=5)
+    calls = []
+    fused_fn = rnn.bigru_recurrence
+    monkeypatch.setattr(rnn, "bigru_recurrence", lambda *a: calls.append(1) or fused_fn(*a))
+    out, final = model.encoder(batch.src, batch.src_pad_mask)  # training path: fused
+    assert calls == [1]
+    with torch.no_grad():
+        ng_out, ng_final = model.encoder(batch.src, batch.src_pad_mask)
+    assert calls == [1]
+    torch.testing.assert_close(ng_out, out.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(ng_final, final.detach(), rtol=1e-10, atol=1e-12)
+
+
 def test_fused_training_follows_the_autograd_loss_curve():
     """Ten Adam steps with dropout through the fused recurrences and through autograd's
     stepping (nn.GRU, packed encoder) give the same losses and weights, in float64."""
