@@ -215,9 +215,11 @@ def translate(
 def _workers(option: int | None, configured: int, device: torch.device) -> int:
     """--workers, else decode.workers; more than one only on the CPU (threads share a GPU's
     stream for nothing)."""
-    if option is not None and option > 1 and device.type != "cpu":
+    if device.type == "cpu":
+        return configured if option is None else option
+    if option is not None and option > 1:
         raise AttnmtError(f"--workers {option}: parallel batches are for CPU decoding only")
-    return (configured if option is None else option) if device.type == "cpu" else 1
+    return 1
 
 
 def _load(model_dir: Path, weights: str, device: str) -> tuple:

@@ -151,6 +151,7 @@ def matmul_peak_gflops(
 
 def bench_train(args: argparse.Namespace) -> None:
     data = args.data.absolute()
+    threads_per_rank = args.threads // args.procs
     for name in args.configs:
         with tempfile.TemporaryDirectory(prefix=f"attnmt-bench-{name}-") as tmp:
             work = Path(tmp)
@@ -173,7 +174,7 @@ def bench_train(args: argparse.Namespace) -> None:
                     "max_steps": args.steps,
                     "eval_every": args.steps + 1,
                     "log_every": 1,
-                    "threads": args.threads // args.procs,
+                    "threads": threads_per_rank,
                     "device": "cpu",
                     "seed": 1234,
                 },
@@ -198,7 +199,7 @@ def bench_train(args: argparse.Namespace) -> None:
             cmd += ["--out", str(work / "model"), "--quiet"]
             for assignment in args.set:
                 cmd += ["--set", assignment]
-            env = {**os.environ, "OMP_NUM_THREADS": str(args.threads // args.procs)}
+            env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank)}
             child = subprocess.Popen(cmd, env=env)
             _, status, usage = os.wait4(child.pid, 0)
             if status != 0:

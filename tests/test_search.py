@@ -159,13 +159,14 @@ def test_parallel_workers_give_the_same_translations(trained, beam, monkeypatch)
     import attnmt.evaluate as evaluate
 
     seen: list[tuple[str, int]] = []  # (thread name, its intra-op threads) per batch
-    search = evaluate.greedy_search if beam == 1 else evaluate.beam_search
+    name = "greedy_search" if beam == 1 else "beam_search"
+    search = getattr(evaluate, name)
 
     def recording(*args, **kwargs):
         seen.append((threading.current_thread().name, torch.get_num_threads()))
         return search(*args, **kwargs)
 
-    monkeypatch.setattr(evaluate, "greedy_search" if beam == 1 else "beam_search", recording)
+    monkeypatch.setattr(evaluate, name, recording)
     threads = torch.get_num_threads()
     torch.set_num_threads(4)
     try:
