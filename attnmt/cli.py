@@ -184,6 +184,7 @@ def translate(
         max_len_b=cfg.decode.max_len_b,
         n_best=n_best,
         attention=spec,
+        scores=n_best > 1,  # written only with the n-best lists
     )
     n_workers = _workers(workers, cfg.decode.workers, dev)
     results = run_translate(

@@ -35,6 +35,8 @@ class SearchOptions:
     max_len_b: int = 10
     n_best: int = 1
     attention: AttentionSpec | None = None
+    # Greedy search only (beam search needs them): compute Translation.score, else NaN.
+    scores: bool = True
 
 
 def translate(
@@ -75,7 +77,7 @@ def translate(
                 [h]
                 for h in greedy_search(
                     model, tokens, pad_mask, options.max_len_a, options.max_len_b,
-                    options.attention,
+                    options.attention, options.scores,
                 )
             ]  # fmt: skip
         return beam_search(
@@ -118,7 +120,7 @@ def translate_lines(
     workers: int = 1,
 ) -> list[str]:
     """The best translation of each line as text; exactly one output per input, in order."""
-    n1 = replace(options, n_best=1, attention=None)
+    n1 = replace(options, n_best=1, attention=None, scores=False)
     found = translate(model, tokenizer, lines, n1, batch_tokens, None, device, workers)
     return [t[0].text for t in found]
 

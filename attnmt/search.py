@@ -17,7 +17,7 @@ from attnmt.model import AttentionSpec, Seq2Seq
 @dataclass
 class Hypothesis:
     tokens: list[int]  # output ids, without BOS and EOS
-    score: float  # log-probability, divided by the length penalty in beam search
+    score: float  # log-probability, divided by the length penalty in beam search (NaN: not asked)
     ended: bool  # True if it ended with EOS, False if the length limit cut it
     attention: torch.Tensor | None = None  # (steps, S): one row per token, EOS included
 
@@ -75,6 +75,12 @@ def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return values, idx.gather(1, j)
 
 
+# Greedy search drops finished sentences from the batch once this share of its rows has
+# finished (1/8): gathering the memory and caches after every step where one sentence ends
+# costs more than decoding a few finished rows along.
+COMPACT_SHARE = 8
+
+
 @torch.no_grad()
 def greedy_search(
     model: Seq2Seq,
@@ -83,12 +89,18 @@ def greedy_search(
     max_len_a: float,
     max_len_b: int,
     attention: AttentionSpec | None = None,
+    scores: bool = True,
 ) -> list[Hypothesis]:
     """Take the argmax at every step.
+
+    Finished sentences leave the batch in groups (see COMPACT_SHARE); until then their rows
+    are decoded and ignored, which changes nothing in the others: rows never mix.
 
     Args:
         src: (B, S) source ids; src_pad_mask: (B, S) bool, True at padding.
         attention: return each hypothesis's source attention per step (slower).
+        scores: compute each hypothesis's score (a log-softmax over the vocabulary per
+            step); without it the scores are NaN.
     Returns:
         One hypothesis per sentence; score = summed log-probability.
     """
@@ -97,30 +109,33 @@ def greedy_search(
     memory = model.encode(src, src_pad_mask)
     state = model.init_state(memory)
     prev = torch.full((B,), model.bos_id, dtype=torch.long, device=device)  # (B,)
-    active = torch.arange(B, device=device)  # rows of the original batch still decoding
+    rows = torch.arange(B, device=device)  # sentence of each row of the batch
+    live = torch.ones(B, dtype=torch.bool, device=device)  # (B_r,) rows still decoding
     steps: list[torch.Tensor] = []  # per step: (B,) token, PAD once finished
-    scores = torch.zeros(B, device=device)
+    total = torch.zeros(B, device=device) if scores else torch.full((B,), torch.nan, device=device)
     attn_steps: list[torch.Tensor] = []  # per step: (B, S)
     for t in range(int(limits.max())):
-        logits, state, attn = model.decode_step(memory, state, prev, attention)  # (B_a, V)
-        logp = torch.log_softmax(logits.float(), dim=-1)  # (B_a, V)
-        nxt = argmax_rows(logits)  # (B_a,)
-        scores[active] += logp.gather(1, nxt[:, None]).squeeze(1)
+        logits, state, attn = model.decode_step(memory, state, prev, attention)  # (B_r, V)
+        nxt = argmax_rows(logits)  # (B_r,)
+        if scores:
+            logp = torch.log_softmax(logits.float(), dim=-1).gather(1, nxt[:, None])  # (B_r, 1)
+            total.index_add_(0, rows, logp.squeeze(1).masked_fill(~live, 0.0))
         full = torch.full((B,), model.pad_id, dtype=torch.long, device=device)
-        full[active] = nxt
+        full[rows] = nxt.masked_fill(~live, model.pad_id)
         steps.append(full)
         if attn is not None:
             a = torch.zeros(B, src.size(1), device=device)
-            a[active] = attn.float()
+            a[rows] = attn.float().masked_fill(~live.unsqueeze(1), 0.0)
             attn_steps.append(a)
-        done = (nxt == model.eos_id) | (limits[active] <= t + 1)  # (B_a,)
-        if bool(done.all()):
+        live &= (nxt != model.eos_id) & (limits[rows] > t + 1)
+        n_live = int(live.sum())
+        if n_live == 0:
             break
-        if bool(done.any()):
-            keep = (~done).nonzero().squeeze(1)  # (B_a',)
+        if live.numel() - n_live >= max(1, live.numel() // COMPACT_SHARE):
+            keep = live.nonzero().squeeze(1)  # (B_r',)
             memory = model.select_memory(memory, keep)
             state = model.select_state(state, keep)
-            active, nxt = active[keep], nxt[keep]
+            rows, nxt, live = rows[keep], nxt[keep], live[keep]
         prev = nxt
     out = torch.stack(steps, dim=1).tolist()  # (B, T)
     hyps = []
@@ -128,7 +143,7 @@ def greedy_search(
         n = next((j for j, tok in enumerate(row) if tok in (model.eos_id, model.pad_id)), len(row))
         ended = n < len(row) and row[n] == model.eos_id
         a = torch.stack([s[i] for s in attn_steps[: n + int(ended)]]) if attn_steps else None
-        hyps.append(Hypothesis(row[:n], float(scores[i]), ended, a))
+        hyps.append(Hypothesis(row[:n], float(total[i]), ended, a))
     return hyps
 
 

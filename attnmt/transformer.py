@@ -183,7 +183,6 @@ class DecoderLayer(nn.Module):
 
 @dataclass
 class TransformerMemory:
-    enc_out: torch.Tensor  # (B, S, d)
     src_mask: torch.Tensor  # (B, 1, 1, S) additive float mask, -inf at padding
     # Per decoder layer, the encoder output projected into cross-attention keys and values,
     # (B, h, S, d_h) each: computed once per sentence, used by every decoding step.
@@ -239,8 +238,9 @@ class TransformerSeq2Seq(Seq2Seq):
         for layer in self.encoder_layers:
             x = layer(x, mask)
         x = self.enc_norm(x)
+        # Decoding needs the encoder output only as these keys and values.
         cross = [layer.cross_attn.project_kv(x, x) for layer in self.decoder_layers]
-        return TransformerMemory(x, mask, cross)
+        return TransformerMemory(mask, cross)
 
     def decode_hidden(
         self, memory: TransformerMemory, tgt_in: torch.Tensor, need_weights: bool = False
@@ -290,7 +290,6 @@ class TransformerSeq2Seq(Seq2Seq):
 
     def select_memory(self, memory: TransformerMemory, index: torch.Tensor) -> TransformerMemory:
         return TransformerMemory(
-            memory.enc_out.index_select(0, index),
             memory.src_mask.index_select(0, index),
             [(k.index_select(0, index), v.index_select(0, index)) for k, v in memory.cross],
         )

@@ -59,8 +59,9 @@ def bench_decode(args: argparse.Namespace) -> None:
     for model_dir in args.model:
         cfg, tokenizer, model = load_model_dir(model_dir)
         for beam, workers in ((b, w) for b in args.beams for w in args.workers):
+            # As `attnmt translate` does: no scores unless it writes n-best lists.
             options = SearchOptions(
-                beam=beam, length_penalty=1.0, max_len_a=0.0, max_len_b=args.max_len
+                beam=beam, length_penalty=1.0, max_len_a=0.0, max_len_b=args.max_len, scores=False
             )
             times, result = [], None
             for _ in range(args.runs):

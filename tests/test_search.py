@@ -63,6 +63,38 @@ def test_beam_1_is_greedy(trained):
         assert b[0].score == pytest.approx(g.score, abs=1e-4)
 
 
+@pytest.mark.parametrize("share", [1, 4, 1000])
+def test_greedy_drops_finished_rows_late_without_changing_them(trained, share, monkeypatch):
+    """Finished sentences stay in the batch until 1/share of its rows has finished (1: all,
+    so never before the end; 1000: one, so right away); what they decode is ignored."""
+    import attnmt.search as search
+
+    model, _, src, pad = trained
+    src, pad = src.repeat(3, 1), pad.repeat(3, 1)  # 36 rows, so 1/4 is more than one
+    monkeypatch.setattr(search, "COMPACT_SHARE", 1_000_000)
+    alone = [greedy_search(model, src[i : i + 1], pad[i : i + 1], 1.5, 5)[0] for i in range(12)]
+    monkeypatch.setattr(search, "COMPACT_SHARE", share)
+    dropped: list[int] = []
+    select = model.select_memory
+    monkeypatch.setattr(
+        model, "select_memory", lambda m, idx: dropped.append(len(idx)) or select(m, idx)
+    )
+    batch = greedy_search(model, src, pad, 1.5, 5, AttentionSpec())
+    assert [h.tokens for h in batch] == [h.tokens for h in alone] * 3
+    assert [h.ended for h in batch] == [h.ended for h in alone] * 3
+    for h, a in zip(batch, alone * 3, strict=True):
+        assert h.score == pytest.approx(a.score, abs=1e-5)
+        assert h.attention is not None and h.attention.shape[0] == len(h.tokens) + int(h.ended)
+    assert dropped == sorted(dropped, reverse=True)
+    if share == 1:
+        assert not dropped  # everything decoded to the end of the longest
+    else:
+        assert dropped and 36 - dropped[0] >= max(1, 36 // share)
+    unscored = greedy_search(model, src, pad, 1.5, 5, scores=False)
+    assert [h.tokens for h in unscored] == [h.tokens for h in batch]
+    assert all(h.score != h.score for h in unscored)  # NaN: not computed
+
+
 @torch.no_grad()
 def uncached_next_logprobs(model: Seq2Seq, src, pad, prefix: list[int]) -> torch.Tensor:
     """log p(. | prefix) recomputed from scratch: the whole prefix, no state carried over."""

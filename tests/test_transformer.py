@@ -14,7 +14,7 @@ def test_shapes_and_incremental_equals_full(norm):
     B, S = batch.src.shape
     T = batch.tgt_in.size(1)
     memory = model.encode(batch.src, batch.src_pad_mask)
-    assert memory.enc_out.shape == (B, S, 16)
+    assert all(k.shape == v.shape == (B, 2, S, 8) for k, v in memory.cross)  # 2 heads
     full, _ = model.decode_all(memory, batch.tgt_in)
     assert full.shape == (B, T, V)
     # The cached one-position-at-a-time decoder computes the same logits as the full pass.
