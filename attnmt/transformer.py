@@ -114,6 +114,24 @@ class LayerCache:
     self_v: torch.Tensor  # (B, h, t, d_h)
 
 
+def append_position(
+    cache: torch.Tensor, new: torch.Tensor, rows: torch.Tensor | None
+) -> torch.Tensor:
+    """torch.cat([cache[rows], new], dim=2) in one pass over the cache: cache (B, h, t, d),
+    rows (N,) or None for all in order, new (N, h, 1, d) -> (N, h, t + 1, d).
+
+    Beam search reorders the cached beams every step; copying them in the new order straight
+    into the grown cache reads and writes them once instead of twice (index_select, then cat).
+    """
+    if rows is None:
+        return torch.cat([cache, new], dim=2)
+    _, h, t, d = cache.shape
+    out = cache.new_empty(rows.numel(), h, t + 1, d)
+    torch.index_select(cache, 0, rows, out=out[:, :, :t])
+    out[:, :, t:] = new
+    return out
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -152,14 +170,16 @@ class DecoderLayer(nn.Module):
         cross_v: torch.Tensor,
         src_mask: torch.Tensor,
         need_weights: bool = False,
+        rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, LayerCache, torch.Tensor | None]:
         """One new position: x (N, 1, d) -> (N, 1, d), the grown cache, and (if asked) the
         per-head cross-attention weights (N, h, 1, S). N = G * B for cross_k of B rows:
-        each group of G consecutive rows (a sentence's beams) shares one memory row."""
+        each group of G consecutive rows (a sentence's beams) shares one memory row.
+        rows (N,): the cache rows that the N rows of x continue (None: all, in order)."""
         h = self.res_self.normed_input(x)
-        k_new, v_new = self.self_attn.project_kv(h, h)  # (B, h, 1, d_h)
-        k = torch.cat([cache.self_k, k_new], dim=2)  # (B, h, t+1, d_h)
-        v = torch.cat([cache.self_v, v_new], dim=2)  # (B, h, t+1, d_h)
+        k_new, v_new = self.self_attn.project_kv(h, h)  # (N, h, 1, d_h)
+        k = append_position(cache.self_k, k_new, rows)  # (N, h, t+1, d_h)
+        v = append_position(cache.self_v, v_new, rows)  # (N, h, t+1, d_h)
         # The newest position may see every cached one: no causal mask needed.
         x = self.res_self.add(x, self.self_attn.attend(h, k, v)[0])
         h = self.res_cross.normed_input(x)
@@ -193,6 +213,9 @@ class TransformerMemory:
 class TransformerState:
     caches: list[LayerCache]
     position: int  # number of target positions decoded so far
+    # The cache rows the state's rows continue, (N,), or None: all, in order. select_state
+    # only records them; the next step applies them as it appends its position.
+    rows: torch.Tensor | None = None
 
 
 class TransformerSeq2Seq(Seq2Seq):
@@ -279,7 +302,9 @@ class TransformerSeq2Seq(Seq2Seq):
         for i, (layer, cache, (k, v)) in enumerate(
             zip(self.decoder_layers, state.caches, memory.cross, strict=True)
         ):
-            x, cache, weights = layer.step(x, cache, k, v, memory.src_mask, need_weights=i == want)
+            x, cache, weights = layer.step(
+                x, cache, k, v, memory.src_mask, need_weights=i == want, rows=state.rows
+            )
             caches.append(cache)
             if weights is not None:
                 assert attention is not None
@@ -295,11 +320,8 @@ class TransformerSeq2Seq(Seq2Seq):
         )
 
     def select_state(self, state: TransformerState, index: torch.Tensor) -> TransformerState:
-        caches = [
-            LayerCache(c.self_k.index_select(0, index), c.self_v.index_select(0, index))
-            for c in state.caches
-        ]
-        return TransformerState(caches, state.position)
+        rows = index if state.rows is None else state.rows.index_select(0, index)
+        return TransformerState(state.caches, state.position, rows)
 
     def loss(
         self,

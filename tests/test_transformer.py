@@ -81,3 +81,31 @@ def test_sinusoid_table_formula_and_offset():
     assert t[3, 3] == pytest.approx(torch.cos(torch.tensor(3 / 10000 ** (2 / 6))).item())
     torch.testing.assert_close(sinusoid_table(4, 6, offset=6), t[6:10])
     assert sinusoid_table(3, 5).shape == (3, 5)  # odd widths work too
+
+
+def test_selected_state_continues_as_the_selected_rows():
+    """select_state only records the rows; the next step copies the caches in that order as
+    it appends its position. Same logits as decoding the selected rows from the start."""
+    model = tiny_model("transformer").eval()
+    batch = random_batch(B=4)
+    memory = model.encode(batch.src, batch.src_pad_mask)
+    tokens = batch.tgt_in[:, :3]  # (4, 3)
+    state = model.init_state(memory)
+    with torch.no_grad():
+        for t in range(2):
+            _, state, _ = model.decode_step(memory, state, tokens[:, t])
+        # Two selections before the next step compose: rows [2, 0, 0, 3] then [3, 1, 0].
+        first, second = torch.tensor([2, 0, 0, 3]), torch.tensor([3, 1, 0])
+        state = model.select_state(model.select_state(state, first), second)
+        rows = first[second]  # [3, 0, 2]
+        assert torch.equal(state.rows, rows)
+        sub = model.select_memory(memory, rows)
+        logits, state, _ = model.decode_step(sub, state, tokens[rows, 2])
+        assert state.rows is None and state.caches[0].self_k.shape[:3] == (3, 2, 3)
+        # Reference: the selected sentences decoded on their own.
+        ref_state = model.init_state(sub)
+        for t in range(3):
+            ref, ref_state, _ = model.decode_step(sub, ref_state, tokens[rows, t])
+    torch.testing.assert_close(logits, ref, atol=1e-6, rtol=1e-5)
+    for c, r in zip(state.caches, ref_state.caches, strict=True):
+        torch.testing.assert_close(c.self_k, r.self_k, atol=1e-6, rtol=1e-5)
