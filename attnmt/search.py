@@ -189,12 +189,16 @@ def beam_search(
     for t in range(int(limits.max())):
         n = len(active)
         logits, state, attn = model.decode_step(memory, state, prev, attention)  # (n*K, V)
-        V = logits.size(-1)
-        logp = torch.log_softmax(logits.float(), dim=-1).view(n, K, V)  # (n, K, V)
-        cand = (scores.unsqueeze(-1) + logp).view(n, K * V)  # (n, K*V)
-        top_scores, top_idx = topk_rows(cand, 2 * K)  # (n, 2K)
-        top_beam = torch.div(top_idx, V, rounding_mode="floor")  # (n, 2K)
-        top_tok = top_idx % V  # (n, 2K)
+        logp = torch.log_softmax(logits.float(), dim=-1)  # (n*K, V)
+        # A sentence's 2K best candidates are among the 2K best continuations of their own
+        # beams (a better candidate of the same beam is a better one overall), so the beam
+        # scores are added to those K * 2K only, not to all K * V.
+        per_beam = min(2 * K, logp.size(-1))
+        beam_lp, beam_tok = topk_rows(logp, per_beam)  # (n*K, P)
+        cand = (scores.view(-1, 1) + beam_lp).view(n, K * per_beam)  # (n, K*P)
+        top_scores, top_idx = cand.topk(2 * K, dim=1)  # (n, 2K)
+        top_beam = torch.div(top_idx, per_beam, rounding_mode="floor")  # (n, 2K)
+        top_tok = beam_tok.view(n, K * per_beam).gather(1, top_idx)  # (n, 2K)
         if attn is not None:
             a = attn.float().unsqueeze(1)  # (n*K, 1, S)
             attn_hist = a if attn_hist is None else torch.cat([attn_hist, a], dim=1)
