@@ -32,6 +32,13 @@ app = typer.Typer(
 # Options that translate and eval share.
 WeightsOption = Annotated[str, typer.Option("--weights", help="Which checkpoint: best or last.")]
 DeviceOption = Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")]
+PrecisionOption = Annotated[
+    str | None,
+    typer.Option(
+        "--precision",
+        help="Number format to decode in: fp32, bf16 or fp16 (default: config).",
+    ),
+]
 WorkersOption = Annotated[
     int | None,
     typer.Option(
@@ -151,6 +158,7 @@ def translate(
     weights: WeightsOption = "best",
     device: DeviceOption = "auto",
     workers: WorkersOption = None,
+    precision: PrecisionOption = None,
 ) -> None:
     """Translate text, one line in, one line out (beam search, or greedy with --beam 1)."""
     from attnmt.evaluate import SearchOptions
@@ -158,7 +166,7 @@ def translate(
     from attnmt.model import AttentionSpec
 
     lines = _read_input(input)
-    cfg, tokenizer, net, dev = _load(model, weights, device)
+    cfg, tokenizer, net, dev = _load(model, weights, device, precision)
     beam = cfg.decode.beam if beam is None else beam
     if n_best > beam:
         raise AttnmtError(f"--n-best {n_best} exceeds the beam size {beam}; raise --beam")
@@ -223,19 +231,32 @@ def _workers(option: int | None, configured: int, device: torch.device) -> int:
     return 1
 
 
-def _load(model_dir: Path, weights: str, device: str) -> tuple:
+def _load(model_dir: Path, weights: str, device: str, precision: str | None) -> tuple:
+    """The model to translate with, in --precision (else decode.precision)."""
     from attnmt.checkpoint import BEST_FILE, LAST_FILE, load_model_dir
+    from attnmt.evaluate import DECODE_DTYPES, for_decoding
+    from attnmt.ops import cpu_matmul_hardware
     from attnmt.train import resolve_device
 
     if weights not in ("best", "last"):
         raise AttnmtError(f"--weights {weights!r}: expected best or last")
     if device not in ("auto", "cpu", "cuda"):
         raise AttnmtError(f"--device {device!r}: expected auto, cpu or cuda")
+    if precision is not None and precision not in DECODE_DTYPES:
+        raise AttnmtError(f"--precision {precision!r}: expected fp32, bf16 or fp16")
     dev = resolve_device(device)
     cfg, tokenizer, net = load_model_dir(
         model_dir, BEST_FILE if weights == "best" else LAST_FILE, dev
     )
-    return cfg, tokenizer, net, dev
+    precision = precision or cfg.decode.precision
+    if dev.type == "cpu" and not cpu_matmul_hardware(precision):
+        hardware = "AMX or AVX512-BF16" if precision == "bf16" else "AMX-FP16"
+        print(
+            f"attnmt: note: this CPU has no {precision} matmul instructions ({hardware}); "
+            f"{precision} decoding is emulated and may be slower than fp32",
+            file=sys.stderr,
+        )
+    return cfg, tokenizer, for_decoding(net, precision), dev
 
 
 @app.command("eval")
@@ -263,6 +284,7 @@ def evaluate(
     weights: WeightsOption = "best",
     device: DeviceOption = "auto",
     workers: WorkersOption = None,
+    precision: PrecisionOption = None,
 ) -> None:
     """Score translations with sacreBLEU (BLEU, chrF); translate --src first if --model is given."""
     from attnmt.data import read_lines
@@ -285,7 +307,7 @@ def evaluate(
             )
         from attnmt.evaluate import search_options, translate_lines
 
-        cfg, tokenizer, net, dev = _load(model, weights, device)
+        cfg, tokenizer, net, dev = _load(model, weights, device, precision)
         options = search_options(cfg.decode, beam)
         n_workers = _workers(workers, cfg.decode.workers, dev)
         hyps = translate_lines(

@@ -128,6 +128,7 @@ class DecodeConfig(_Section):
     max_len_b: int = Field(10, ge=1, le=1000)
     batch_tokens: int = Field(8000, ge=1)
     workers: int = Field(1, ge=1, le=64)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
 
 
 class Config(_Section):

@@ -125,6 +125,18 @@ def translate_lines(
     return [t[0].text for t in found]
 
 
+# The number formats translate and eval can decode in (decode.precision, --precision).
+DECODE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def for_decoding(model: Seq2Seq, precision: str) -> Seq2Seq:
+    """The model, in place, with its weights and buffers in `precision` for translation: the
+    16-bit formats halve the weights' memory traffic and run on the hardware's 16-bit matmuls
+    (GPU tensor cores, AMX), at the cost of outputs that may differ from fp32 here and there.
+    Search sums its scores in fp32 whatever the model computes in."""
+    return model.to(DECODE_DTYPES[precision])
+
+
 def search_options(cfg: DecodeConfig, beam: int | None = None) -> SearchOptions:
     """SearchOptions from a config's decode section (beam overridable, e.g. train.eval_beam)."""
     return SearchOptions(

@@ -47,7 +47,7 @@ class Embeddings(nn.Module):
         """tokens (B, T) at positions offset..offset+T-1 -> (B, T, d)."""
         T = tokens.size(1)
         if offset + T > self.pe.size(0):
-            pe = sinusoid_table(offset + T, self.pe.size(1)).to(self.pe.device)
+            pe = sinusoid_table(offset + T, self.pe.size(1)).to(self.pe.device, self.pe.dtype)
         else:
             pe = self.pe
         x = self.embed(tokens) * self.scale + pe[offset : offset + T]  # (B, T, d)

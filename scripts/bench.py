@@ -6,7 +6,7 @@
                                   [--set KEY=VALUE ...]
     python scripts/bench.py decode --model DIR [--model DIR ...] [--data DIR] [--runs N]
                                    [--beams 1,5] [--batch-sentences 64] [--max-len 60]
-                                   [--threads 2] [--workers 1[,2]]
+                                   [--threads 2] [--workers 1[,2]] [--precision fp32]
 
 decode: translates Multi30k test_2016_flickr (1,000 sentences, from --data, default
 data/multi30k) with each model and beam size, the way ../shared/peers measures JoeyNMT and
@@ -14,7 +14,8 @@ OpenNMT-py: batches of 64 sentences, at most 60 output pieces, GNMT length penal
 threads, model loading excluded. Prints one JSON line per (model, beam, workers) with the
 median over --runs runs of sentences/s and output pieces/s (EOS excluded), the mean output
 length, and BLEU/chrF with sacreBLEU signatures. --workers 2 searches two batches at once, each
-on one of the 2 threads (`attnmt translate --workers`).
+on one of the 2 threads (`attnmt translate --workers`); --precision bf16 or fp16 decodes with
+the weights in that format (`attnmt translate --precision`).
 
 train: trains each config under test (T: Transformer 3+3, d256, 4 heads, FF 1024, ~4,096-token
 batches; R: bi-GRU 256 per direction + GRU decoder with Bahdanau attention, 64 sentences per
@@ -49,7 +50,7 @@ import yaml
 
 from attnmt.checkpoint import load_model_dir
 from attnmt.data import read_lines
-from attnmt.evaluate import SearchOptions, score, translate
+from attnmt.evaluate import SearchOptions, for_decoding, score, translate
 
 
 def bench_decode(args: argparse.Namespace) -> None:
@@ -58,6 +59,7 @@ def bench_decode(args: argparse.Namespace) -> None:
     ref = read_lines(args.data / "test_2016_flickr.en.gz")
     for model_dir in args.model:
         cfg, tokenizer, model = load_model_dir(model_dir)
+        model = for_decoding(model, args.precision)
         for beam, workers in ((b, w) for b in args.beams for w in args.workers):
             # As `attnmt translate` does: no scores unless it writes n-best lists.
             options = SearchOptions(
@@ -96,6 +98,7 @@ def bench_decode(args: argparse.Namespace) -> None:
                         "bleu_signature": s.bleu_signature,
                         "threads": args.threads,
                         "workers": workers,
+                        "precision": args.precision,
                         "batch_sentences": args.batch_sentences,
                         "max_len": args.max_len,
                     }
@@ -266,6 +269,7 @@ def main() -> int:
         default=[1],
         help="batches searched at once, sharing the threads; e.g. 1,2 measures both",
     )
+    d.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
     t = sub.add_parser("train", help="training speed on Multi30k de-en")
     t.add_argument("--data", type=Path, default=Path("data/multi30k"), help="Multi30k folder")
     t.add_argument("--steps", type=int, default=200, help="training steps per config")

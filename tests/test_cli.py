@@ -182,6 +182,18 @@ def test_train_translate_eval_end_to_end(tmp_path: Path, corpus, run_cli, arch):
     )  # fmt: skip
     assert r.code == 0, r.stderr
     assert out2.read_text() == out.read_text()
+    # 16-bit decoding: one line out per line in; an unknown format is a user error
+    out3 = tmp_path / "hyp3.txt"
+    r = run_cli(
+        "translate", "-m", str(model), "-i", str(corpus["dev_src"]), "-o", str(out3),
+        "--precision", "bf16",
+    )  # fmt: skip
+    assert r.code == 0, r.stderr
+    assert len(out3.read_text().splitlines()) == 20
+    assert_user_error(
+        run_cli("translate", "-m", str(model), "--precision", "int8", stdin=b"x\n"),
+        "--precision 'int8': expected fp32, bf16 or fp16",
+    )
     # eval: translate and score
     r = run_cli(
         "eval",

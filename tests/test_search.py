@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from attnmt.checkpoint import load_model_dir
 from attnmt.config import from_dict
-from attnmt.evaluate import SearchOptions, translate
+from attnmt.evaluate import DECODE_DTYPES, SearchOptions, for_decoding, translate
 from attnmt.model import AttentionSpec, Seq2Seq
 from attnmt.search import (
     argmax_rows,
@@ -44,6 +45,33 @@ def trained(request, tmp_path_factory):
     for i, s in enumerate(ids):
         batch[i, : len(s) + 1] = torch.tensor([*s, 3])
     return model, tok, batch, batch == 0
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_16_bit_decoding_runs_in_that_format(trained, precision):
+    """for_decoding casts a copy's weights and buffers; every step then computes in that
+    format, the scores stay fp32 sums, and the outputs mostly agree with fp32 decoding."""
+    model, _, src, pad = trained
+    dtype = DECODE_DTYPES[precision]
+    low = for_decoding(copy.deepcopy(model), precision)
+    assert all(
+        t.dtype == dtype for t in [*low.parameters(), *low.buffers()] if t.is_floating_point()
+    )
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the original is left alone
+    seen: list[torch.dtype] = []
+    step = low.decode_step
+    low.decode_step = lambda *a, **k: (lambda out: seen.append(out[0].dtype) or out)(step(*a, **k))
+    for beam in (1, 3):
+        ref = beam_search(model, src, pad, beam, 1.0, 1.5, 5)
+        got = beam_search(low, src, pad, beam, 1.0, 1.5, 5)
+        same = sum(r[0].tokens == g[0].tokens for r, g in zip(ref, got, strict=True))
+        assert same >= 0.75 * len(ref), (beam, same)
+        assert all(g[0].score == g[0].score and g[0].score <= 0 for g in got)  # finite, a log-prob
+    # (Not beam 1 == greedy: 16-bit logits tie often, and the two break ties differently.)
+    greedy = greedy_search(low, src, pad, 1.5, 5)
+    ref = greedy_search(model, src, pad, 1.5, 5)
+    assert sum(g.tokens == r.tokens for g, r in zip(greedy, ref, strict=True)) >= 0.75 * len(ref)
+    assert seen and set(seen) == {dtype}
 
 
 def test_max_output_lengths_and_length_penalty():

@@ -83,6 +83,16 @@ def test_sinusoid_table_formula_and_offset():
     assert sinusoid_table(3, 5).shape == (3, 5)  # odd widths work too
 
 
+def test_positions_past_the_table_keep_the_model_dtype():
+    """Positions past the precomputed 512 are computed on demand, in the model's format."""
+    model = tiny_model("transformer").eval().to(torch.bfloat16)
+    x = model.tgt_embed(torch.tensor([[5, 6]]), offset=600)  # (1, 2, d)
+    assert x.dtype == torch.bfloat16
+    ref = model.tgt_embed.embed(torch.tensor([[5, 6]])) * model.tgt_embed.scale
+    pe = sinusoid_table(602, x.size(-1))[600:].to(torch.bfloat16)
+    torch.testing.assert_close(x, ref + pe)
+
+
 def test_selected_state_continues_as_the_selected_rows():
     """select_state only records the rows; the next step copies the caches in that order as
     it appends its position. Same logits as decoding the selected rows from the start."""
