@@ -136,7 +136,7 @@ def test_eval_scores_hypothesis_file(tmp_path: Path, run_cli):
 
 
 @pytest.mark.parametrize("arch", ["transformer", "rnn"])
-def test_train_translate_eval_end_to_end(tmp_path: Path, corpus, run_cli, arch):
+def test_train_translate_eval_end_to_end(tmp_path: Path, corpus, run_cli, arch, monkeypatch):
     raw = tiny_config(corpus, arch)
     raw["train"]["teacher_forcing"] = {"schedule": "linear", "start": 1.0, "end": 0.5, "steps": 8}
     raw["data"]["test"] = raw["data"]["dev"]
@@ -190,6 +190,14 @@ def test_train_translate_eval_end_to_end(tmp_path: Path, corpus, run_cli, arch):
     )  # fmt: skip
     assert r.code == 0, r.stderr
     assert len(out3.read_text().splitlines()) == 20
+    # a CPU without 16-bit matmul instructions: it still decodes, and says it may be slow
+    import attnmt.ops
+
+    with monkeypatch.context() as m:
+        m.setattr(attnmt.ops, "cpu_matmul_hardware", lambda precision: precision == "fp32")
+        r = run_cli("translate", "-m", str(model), "--precision", "fp16", stdin=b"w1 w2\n")
+    assert r.code == 0 and r.stdout.count("\n") == 1, r.stderr
+    assert "note: this CPU has no fp16 matmul instructions (AMX-FP16)" in r.stderr
     assert_user_error(
         run_cli("translate", "-m", str(model), "--precision", "int8", stdin=b"x\n"),
         "--precision 'int8': expected fp32, bf16 or fp16",
