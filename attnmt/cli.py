@@ -234,15 +234,15 @@ def _workers(option: int | None, configured: int, device: torch.device) -> int:
 def _load(model_dir: Path, weights: str, device: str, precision: str | None) -> tuple:
     """The model to translate with, in --precision (else decode.precision)."""
     from attnmt.checkpoint import BEST_FILE, LAST_FILE, load_model_dir
-    from attnmt.evaluate import DECODE_DTYPES, for_decoding
-    from attnmt.ops import cpu_matmul_hardware
+    from attnmt.evaluate import for_decoding
+    from attnmt.ops import CPU_MATMUL_INSTRUCTIONS, PRECISION_DTYPES, cpu_matmul_hardware
     from attnmt.train import resolve_device
 
     if weights not in ("best", "last"):
         raise AttnmtError(f"--weights {weights!r}: expected best or last")
     if device not in ("auto", "cpu", "cuda"):
         raise AttnmtError(f"--device {device!r}: expected auto, cpu or cuda")
-    if precision is not None and precision not in DECODE_DTYPES:
+    if precision is not None and precision not in PRECISION_DTYPES:
         raise AttnmtError(f"--precision {precision!r}: expected fp32, bf16 or fp16")
     dev = resolve_device(device)
     cfg, tokenizer, net = load_model_dir(
@@ -250,9 +250,9 @@ def _load(model_dir: Path, weights: str, device: str, precision: str | None) -> 
     )
     precision = precision or cfg.decode.precision
     if dev.type == "cpu" and not cpu_matmul_hardware(precision):
-        hardware = "AMX or AVX512-BF16" if precision == "bf16" else "AMX-FP16"
         print(
-            f"attnmt: note: this CPU has no {precision} matmul instructions ({hardware}); "
+            f"attnmt: note: this CPU has no {precision} matmul instructions "
+            f"({CPU_MATMUL_INSTRUCTIONS[precision]}); "
             f"{precision} decoding is emulated and may be slower than fp32",
             file=sys.stderr,
         )

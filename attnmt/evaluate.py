@@ -12,6 +12,7 @@ import torch
 from attnmt.config import DecodeConfig
 from attnmt.data import pad_sequences, sorted_batches
 from attnmt.model import AttentionSpec, Seq2Seq
+from attnmt.ops import PRECISION_DTYPES
 from attnmt.search import Hypothesis, beam_search, greedy_search
 from attnmt.tokenizer import EOS_ID, PAD_ID, Tokenizer
 
@@ -125,16 +126,12 @@ def translate_lines(
     return [t[0].text for t in found]
 
 
-# The number formats translate and eval can decode in (decode.precision, --precision).
-DECODE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 def for_decoding(model: Seq2Seq, precision: str) -> Seq2Seq:
     """The model, in place, with its weights and buffers in `precision` for translation: the
     16-bit formats halve the weights' memory traffic and run on the hardware's 16-bit matmuls
     (GPU tensor cores, AMX), at the cost of outputs that may differ from fp32 here and there.
     Search sums its scores in fp32 whatever the model computes in."""
-    return model.to(DECODE_DTYPES[precision])
+    return model.to(PRECISION_DTYPES[precision])
 
 
 def search_options(cfg: DecodeConfig, beam: int | None = None) -> SearchOptions:

@@ -26,6 +26,12 @@ def _use_plain_ops(x: torch.Tensor) -> bool:
     return x.device.type != "cpu" or torch.compiler.is_compiling()
 
 
+# The number formats a run computes in (train.precision, decode.precision).
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The CPU matmul instructions that cpu_matmul_hardware looks for, as messages name them.
+CPU_MATMUL_INSTRUCTIONS = {"fp32": "", "bf16": "AMX or AVX512-BF16", "fp16": "AMX-FP16"}
+
+
 def cpu_matmul_hardware(precision: str) -> bool:
     """Whether this CPU has matmul instructions for `precision` ('bf16': AMX or AVX512-BF16;
     'fp16': AMX-FP16; 'fp32': always). Without them torch emulates the type, far slower than

@@ -60,7 +60,7 @@ from attnmt.errors import (
 )
 from attnmt.evaluate import score, search_options, translate_lines
 from attnmt.model import Seq2Seq, build_model
-from attnmt.ops import cpu_matmul_hardware
+from attnmt.ops import CPU_MATMUL_INSTRUCTIONS, PRECISION_DTYPES, cpu_matmul_hardware
 from attnmt.schedules import inverse_sqrt_lr, teacher_forcing_ratio, warmup_lr
 from attnmt.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
@@ -380,7 +380,7 @@ def _train(
     )
     # fp16 needs loss scaling to keep small gradients from underflowing; bf16 and fp32 do not.
     scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
-    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
+    autocast_dtype = None if t.precision == "fp32" else PRECISION_DTYPES[t.precision]
     sampler = BucketSampler(
         [len(s) + 1 for s in train_data.src],
         [len(x) + 1 for x in train_data.tgt],
@@ -437,7 +437,7 @@ def _train(
             log.event(
                 "precision",
                 f"train.precision={t.precision}: this CPU has no {t.precision} matmul "
-                f"instructions ({'AMX or AVX512-BF16' if t.precision == 'bf16' else 'AMX-FP16'})"
+                f"instructions ({CPU_MATMUL_INSTRUCTIONS[t.precision]})"
                 "; expect it slower than fp32",
                 precision=t.precision,
                 hardware=False,

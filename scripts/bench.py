@@ -51,6 +51,7 @@ import yaml
 from attnmt.checkpoint import load_model_dir
 from attnmt.data import read_lines
 from attnmt.evaluate import SearchOptions, for_decoding, score, translate
+from attnmt.ops import PRECISION_DTYPES
 
 
 def bench_decode(args: argparse.Namespace) -> None:
@@ -190,10 +191,7 @@ def bench_train(args: argparse.Namespace) -> None:
             precision = next(
                 (a.split("=", 1)[1] for a in args.set if a.startswith("train.precision=")), "fp32"
             )
-            peak_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
-                precision, torch.float32
-            )
-            peak = matmul_peak_gflops(args.threads, peak_dtype)
+            peak = matmul_peak_gflops(args.threads, PRECISION_DTYPES.get(precision, torch.float32))
             cmd = [sys.executable, "-m", "attnmt", "train", "--config", str(work / "config.yaml")]
             if args.procs > 1:
                 # Data parallel over processes (DDP over gloo): each rank takes 1/procs of a
@@ -269,7 +267,7 @@ def main() -> int:
         default=[1],
         help="batches searched at once, sharing the threads; e.g. 1,2 measures both",
     )
-    d.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
+    d.add_argument("--precision", choices=list(PRECISION_DTYPES), default="fp32")
     t = sub.add_parser("train", help="training speed on Multi30k de-en")
     t.add_argument("--data", type=Path, default=Path("data/multi30k"), help="Multi30k folder")
     t.add_argument("--steps", type=int, default=200, help="training steps per config")

@@ -10,8 +10,9 @@ import torch
 
 from attnmt.checkpoint import load_model_dir
 from attnmt.config import from_dict
-from attnmt.evaluate import DECODE_DTYPES, SearchOptions, for_decoding, translate
+from attnmt.evaluate import SearchOptions, for_decoding, translate
 from attnmt.model import AttentionSpec, Seq2Seq
+from attnmt.ops import PRECISION_DTYPES
 from attnmt.search import (
     argmax_rows,
     beam_search,
@@ -52,7 +53,7 @@ def test_16_bit_decoding_runs_in_that_format(trained, precision):
     """for_decoding casts a copy's weights and buffers; every step then computes in that
     format, the scores stay fp32 sums, and the outputs mostly agree with fp32 decoding."""
     model, _, src, pad = trained
-    dtype = DECODE_DTYPES[precision]
+    dtype = PRECISION_DTYPES[precision]
     low = for_decoding(copy.deepcopy(model), precision)
     assert all(
         t.dtype == dtype for t in [*low.parameters(), *low.buffers()] if t.is_floating_point()
@@ -60,7 +61,13 @@ def test_16_bit_decoding_runs_in_that_format(trained, precision):
     assert all(p.dtype == torch.float32 for p in model.parameters())  # the original is left alone
     seen: list[torch.dtype] = []
     step = low.decode_step
-    low.decode_step = lambda *a, **k: (lambda out: seen.append(out[0].dtype) or out)(step(*a, **k))
+
+    def recording_step(*args, **kwargs):
+        out = step(*args, **kwargs)
+        seen.append(out[0].dtype)  # the logits
+        return out
+
+    low.decode_step = recording_step
     for beam in (1, 3):
         ref = beam_search(model, src, pad, beam, 1.0, 1.5, 5)
         got = beam_search(low, src, pad, beam, 1.0, 1.5, 5)
