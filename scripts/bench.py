@@ -14,8 +14,8 @@ OpenNMT-py: batches of 64 sentences, at most 60 output pieces, GNMT length penal
 threads, model loading excluded. Prints one JSON line per (model, beam, workers) with the
 median over --runs runs of sentences/s and output pieces/s (EOS excluded), the mean output
 length, and BLEU/chrF with sacreBLEU signatures. --workers 2 searches two batches at once, each
-on one of the 2 threads (`attnmt translate --workers`); --precision bf16 or fp16 decodes with
-the weights in that format (`attnmt translate --precision`).
+in its own forked process on one of the 2 threads (`attnmt translate --workers`); --precision
+bf16 or fp16 decodes with the weights in that format (`attnmt translate --precision`).
 
 train: trains each config under test (T: Transformer 3+3, d256, 4 heads, FF 1024, ~4,096-token
 batches; R: bi-GRU 256 per direction + GRU decoder with Bahdanau attention, 64 sentences per

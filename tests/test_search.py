@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import threading
 
 import pytest
@@ -218,19 +219,29 @@ def test_same_output_whatever_batch_size_and_order(trained, beam):
 
 
 @pytest.mark.parametrize("beam", [1, 3])
-def test_parallel_workers_give_the_same_translations(trained, beam, monkeypatch):
+@pytest.mark.parametrize(
+    ("workers", "kind"),
+    [(3, "process"), (2, "thread")],  # of 4 intra-op threads: 1 each (forked), 2 each
+)
+def test_parallel_workers_give_the_same_translations(
+    trained, beam, workers, kind, monkeypatch, tmp_path
+):
     model, tok, _, _ = trained
     lines, _ = make_pairs(13, 21)
     opts = SearchOptions(beam=beam, n_best=beam, attention=AttentionSpec())
     serial = translate(model, tok, lines, opts, batch_tokens=10_000, batch_sentences=2)
     import attnmt.evaluate as evaluate
 
-    seen: list[tuple[str, int]] = []  # (thread name, its intra-op threads) per batch
+    # Per batch searched: process id, thread name, its intra-op threads (a file, so that
+    # forked workers can write it too).
+    log = tmp_path / "searches.txt"
     name = "greedy_search" if beam == 1 else "beam_search"
     search = getattr(evaluate, name)
 
     def recording(*args, **kwargs):
-        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        with log.open("a") as f:
+            thread = threading.current_thread().name
+            f.write(f"{os.getpid()} {thread} {torch.get_num_threads()}\n")
         return search(*args, **kwargs)
 
     monkeypatch.setattr(evaluate, name, recording)
@@ -238,19 +249,26 @@ def test_parallel_workers_give_the_same_translations(trained, beam, monkeypatch)
     torch.set_num_threads(4)
     try:
         parallel = translate(
-            model, tok, lines, opts, batch_tokens=10_000, batch_sentences=2, workers=3
+            model, tok, lines, opts, batch_tokens=10_000, batch_sentences=2, workers=workers
         )
         assert torch.get_num_threads() == 4  # the caller's setting is left alone
     finally:
         torch.set_num_threads(threads)
-    assert len(seen) == 7 and all(name.startswith("attnmt-search") for name, _ in seen)
-    assert {n for _, n in seen} == {1}  # 4 threads // 3 workers
+    seen = [line.split() for line in log.read_text().splitlines()]
+    assert len(seen) == 7
+    assert {int(n) for _, _, n in seen} == {4 // workers}
+    if kind == "process":
+        pids = {int(pid) for pid, _, _ in seen}
+        assert os.getpid() not in pids and len(pids) <= workers
+    else:
+        assert all(pid == str(os.getpid()) for pid, _, _ in seen)
+        assert all(thread.startswith("attnmt-search") for _, thread, _ in seen)
     for a, b in zip(serial, parallel, strict=True):
         assert [t.text for t in a] == [t.text for t in b]
         assert [t.tgt_pieces for t in a] == [t.tgt_pieces for t in b]
         for x, y in zip(a, b, strict=True):
             assert x.score == pytest.approx(y.score, abs=1e-5)
-            assert x.attention is not None and y.attention is not None
+            assert isinstance(y.attention, torch.Tensor) and x.attention is not None
             torch.testing.assert_close(x.attention, y.attention)
 
 
