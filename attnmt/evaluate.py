@@ -8,6 +8,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 
 from attnmt.config import DecodeConfig
 from attnmt.data import pad_sequences, sorted_batches
+from attnmt.errors import AttnmtError
 from attnmt.model import AttentionSpec, Seq2Seq
 from attnmt.ops import PRECISION_DTYPES
 from attnmt.search import Hypothesis, beam_search, greedy_search
@@ -196,13 +198,23 @@ def _search_forked(batch: list[int]) -> list[list[Hypothesis]]:
 def _search_in_processes(
     job: _SearchJob, batches: list[list[int]], workers: int
 ) -> list[list[list[Hypothesis]]]:
+    others = set(multiprocessing.active_children())
     pool = ProcessPoolExecutor(
         workers, multiprocessing.get_context("fork"), _start_forked_worker, (job,)
     )
     try:
         results = list(pool.map(_search_forked, batches))
-    except BaseException:
-        pool.shutdown(wait=False, cancel_futures=True)  # each worker ends after its batch
+    except BaseException as e:  # Ctrl-C included
+        # Stop the workers at once: they hold nothing worth waiting for, and a worker left
+        # waiting for work would keep the interpreter from exiting.
+        for worker in set(multiprocessing.active_children()) - others:
+            worker.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+        if isinstance(e, BrokenProcessPool):
+            raise AttnmtError(
+                "a search worker process ended unexpectedly (killed, or out of memory?); "
+                "translate with --workers 1 or a smaller --batch-tokens"
+            ) from e
         raise
     pool.shutdown()
     return [_with_attention(found, torch.from_numpy) for found in results]

@@ -11,6 +11,7 @@ import torch
 
 from attnmt.checkpoint import load_model_dir
 from attnmt.config import from_dict
+from attnmt.errors import AttnmtError
 from attnmt.evaluate import SearchOptions, for_decoding, translate
 from attnmt.model import AttentionSpec, Seq2Seq
 from attnmt.ops import PRECISION_DTYPES
@@ -270,6 +271,28 @@ def test_parallel_workers_give_the_same_translations(
             assert x.score == pytest.approx(y.score, abs=1e-5)
             assert isinstance(y.attention, torch.Tensor) and x.attention is not None
             torch.testing.assert_close(x.attention, y.attention)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="forked workers need fork")
+def test_a_worker_process_that_dies_ends_with_one_clear_error(trained, monkeypatch):
+    model, tok, _, _ = trained
+    lines, _ = make_pairs(6, 22)
+    import attnmt.evaluate as evaluate
+
+    def dying(job, batch):  # as a worker killed by the OS (out of memory) would end
+        os._exit(9)
+
+    monkeypatch.setattr(evaluate._SearchJob, "__call__", dying)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(AttnmtError, match="search worker process ended unexpectedly"):
+            translate(
+                model, tok, lines, SearchOptions(beam=1), batch_tokens=10_000,
+                batch_sentences=2, workers=2,
+            )  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_attention_weights_follow_the_hypothesis(trained):
