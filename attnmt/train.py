@@ -118,6 +118,7 @@ class RunLog:
                 tqdm.write(line, file=sys.stderr)
 
     def close(self) -> None:
+        """Close the log files (closing twice is harmless)."""
         if self.enabled:
             self.text.close()
             self.jsonl.close()
@@ -298,9 +299,11 @@ def train(
     if ranks.world > 1:
         device = distributed.init(ranks, device)
         ranks.barrier()  # the model directory exists before any rank reads or writes it
+    log = RunLog(out, quiet, enabled=ranks.is_main)
     try:
-        return _train(cfg, out, resume, quiet, ranks, device)
+        return _train(cfg, out, resume, ranks, device, log)
     finally:
+        log.close()  # also when training fails: no log file is left open
         ranks.shutdown()
 
 
@@ -308,9 +311,9 @@ def _train(
     cfg: Config,
     out: Path,
     resume: bool,
-    quiet: bool,
     ranks: distributed.Ranks,
     device: torch.device,
+    log: RunLog,
 ) -> dict[str, Any]:
     t = cfg.train
     if t.threads:
@@ -322,7 +325,6 @@ def _train(
     tf_generator = torch.Generator().manual_seed(t.seed + 1)
     checkpoint = latest_checkpoint(out) if resume else None
 
-    log = RunLog(out, quiet, enabled=ranks.is_main)
     start_time = time.time()
     train_text = read_parallel(cfg.data.train.src, cfg.data.train.tgt)
     dev_text = read_parallel(cfg.data.dev.src, cfg.data.dev.tgt)
@@ -536,7 +538,7 @@ def _train(
         initial=progress.step,
         desc="train",
         unit="step",
-        disable=quiet or not ranks.is_main or None,
+        disable=log.quiet or not ranks.is_main or None,
         file=sys.stderr,
     )
     p = progress
@@ -666,7 +668,6 @@ def _train(
                         step=p.step,
                         signal=name,
                     )
-                    log.close()
                     raise TrainingInterrupted(signum, p.step)
                 if done:
                     break
@@ -692,7 +693,6 @@ def _train(
         f"BLEU {p.best_bleu:.2f}, {elapsed() / 60:.1f} min",
         **summary,
     )
-    log.close()
     return summary
 
 

@@ -1,8 +1,10 @@
 """The command line: help, errors as one line with exit code 2, and a tiny end-to-end run."""
 
+import gc
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -109,7 +111,12 @@ def test_data_errors(tmp_path: Path, corpus, run_cli):
     lines = corpus["dev_src"].read_bytes().split(b"\n")
     lines[6] = b"caf\xe9"
     bad.write_bytes(b"\n".join(lines))
-    assert_user_error(train_with(dev_src=bad), f"{bad}:7: not valid UTF-8")
+    # A failed run closes its log files (train.log, train_log.jsonl), not the garbage collector.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        assert_user_error(train_with(dev_src=bad), f"{bad}:7: not valid UTF-8")
+        gc.collect()
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
 
 
 def test_model_dir_errors(tmp_path: Path, run_cli):

@@ -242,9 +242,10 @@ def test_kill_9_never_breaks_the_model_directory(tmp_path: Path, corpus):
             while not temp_files() and proc.poll() is None and time.time() < deadline:
                 pass
         if proc.poll() is not None:
+            proc.communicate()  # closes its pipes
             continue
         os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+        proc.communicate()
         kills += 1
         mid_save += bool(temp_files())
         _, state = latest_checkpoint(out)
