@@ -168,14 +168,13 @@ def _keep_freed_memory() -> None:
     """
     try:
         libc = ctypes.CDLL(None)
-        gnu = libc.gnu_get_libc_version  # glibc only; musl's mallopt does nothing
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    except OSError:
         return
-    del gnu
+    if not hasattr(libc, "gnu_get_libc_version"):  # glibc only; musl's mallopt does nothing
+        return
     m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
-    mallopt(m_mmap_threshold, 32 << 20)  # blocks up to 32 MiB from the heap
-    mallopt(m_trim_threshold, 1 << 30)  # keep up to 1 GiB free at the heap's top
+    libc.mallopt(m_mmap_threshold, 32 << 20)  # blocks up to 32 MiB from the heap
+    libc.mallopt(m_trim_threshold, 1 << 30)  # keep up to 1 GiB free at the heap's top
 
 
 def _with_attention(
