@@ -176,7 +176,8 @@ class _ReluDropoutLinear(torch.autograd.Function):
         grad_h = grad_w = grad_b = None
         if need_h:
             grad_a = _scaled_mm(grad_y, weight, scale)  # (N, d_in)
-            grad_h = torch.ops.aten.threshold_backward(grad_a, a, 0.0)
+            # In place on the fresh grad_a: a new (N, d_in) output would cost its page faults.
+            grad_h = torch.ops.aten.threshold_backward.grad_input(grad_a, a, 0.0, grad_input=grad_a)
         if need_w:
             grad_w = _scaled_mm(grad_y.t(), a, scale)  # (d_out, d_in)
         if need_b:
@@ -266,12 +267,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
         mm_dtype = matmul_dtype or dtype
         h_mm, w_mm = hidden.to(mm_dtype), weight.to(mm_dtype)  # (N, d), (V, d)
         w_sum = weight.to(dtype).sum(dim=0)  # (d,) Σ_v W_v
+        # One (chunk, V) buffer serves every chunk's logits, log-probabilities and softmax, in
+        # place: a fresh tensor per chunk and pass was slower (its pages were new each time).
+        buffer = hidden.new_empty((min(chunk, N), V), dtype=dtype)  # (chunk, V)
         for start in range(0, N, chunk):
             h = h_mm[start : start + chunk]  # (c, d)
             t = target[start : start + chunk, None]  # (c, 1)
-            z = (h @ w_mm.t()).to(dtype)  # (c, V)
+            z = buffer[: h.size(0)]  # (c, V)
+            if mm_dtype == dtype:
+                torch.mm(h, w_mm.t(), out=z)
+            else:
+                z.copy_(h @ w_mm.t())
             z_t = z.gather(1, t)  # (c, 1)
-            logp = torch.log_softmax(z, dim=1)  # (c, V)
+            # In place: the CPU kernel reduces each row before it writes that row.
+            logp = torch.log_softmax(z, dim=1, out=z)  # (c, V)
             logp_t = logp.gather(1, t)  # (c, 1)
             rows = -(1.0 - smoothing) * logp_t  # (c, 1)
             if smoothing > 0.0:
@@ -314,7 +323,7 @@ def linear_cross_entropy(
     target: torch.Tensor,
     ignore_index: int,
     label_smoothing: float = 0.0,
-    chunk: int = 512,
+    chunk: int = 1024,
 ) -> tuple[torch.Tensor, int]:
     """Summed label-smoothed cross-entropy of F.linear(hidden, weight) against target.
 
