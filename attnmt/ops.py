@@ -279,7 +279,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             else:
                 z.copy_(h @ w_mm.t())
             z_t = z.gather(1, t)  # (c, 1)
-            # In place: the CPU kernel reduces each row before it writes that row.
+            # In place: the kernel reduces a row (max, log-sum-exp) before it writes it, and
+            # writes each element from its own input (checked on CPU; not yet run on CUDA).
             logp = torch.log_softmax(z, dim=1, out=z)  # (c, V)
             logp_t = logp.gather(1, t)  # (c, 1)
             rows = -(1.0 - smoothing) * logp_t  # (c, 1)
