@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnmt.matmul import Linear
 from attnmt.ops import dropout
 
 
@@ -74,9 +75,9 @@ class AdditiveAttention(SourceAttention):
 
     def __init__(self, query_size: int, key_size: int, hidden_size: int) -> None:
         super().__init__()
-        self.key_layer = nn.Linear(key_size, hidden_size, bias=False)
-        self.query_layer = nn.Linear(query_size, hidden_size, bias=True)
-        self.energy_layer = nn.Linear(hidden_size, 1, bias=False)
+        self.key_layer = Linear(key_size, hidden_size, bias=False)
+        self.query_layer = Linear(query_size, hidden_size, bias=True)
+        self.energy_layer = Linear(hidden_size, 1, bias=False)
 
     def project_keys(self, keys: torch.Tensor) -> torch.Tensor:
         return self.key_layer(keys)  # (B, S, hidden_size): W_k k
@@ -93,7 +94,7 @@ class DotAttention(SourceAttention):
 
     def __init__(self, query_size: int, key_size: int) -> None:
         super().__init__()
-        self.key_layer = nn.Linear(key_size, query_size, bias=False)
+        self.key_layer = Linear(key_size, query_size, bias=False)
         self.scale = 1.0 / math.sqrt(query_size)
 
     def project_keys(self, keys: torch.Tensor) -> torch.Tensor:
@@ -184,10 +185,10 @@ class MultiHeadAttention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = embed_dim // num_heads
         self.dropout = dropout
-        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
-        self.k_proj = nn.Linear(kdim or embed_dim, embed_dim, bias=bias)
-        self.v_proj = nn.Linear(vdim or embed_dim, embed_dim, bias=bias)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.q_proj = Linear(embed_dim, embed_dim, bias=bias)
+        self.k_proj = Linear(kdim or embed_dim, embed_dim, bias=bias)
+        self.v_proj = Linear(vdim or embed_dim, embed_dim, bias=bias)
+        self.out_proj = Linear(embed_dim, embed_dim, bias=bias)
 
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape

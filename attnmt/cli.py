@@ -39,6 +39,13 @@ PrecisionOption = Annotated[
         help="Number format to decode in: fp32, bf16 or fp16 (default: config).",
     ),
 ]
+MatmulOption = Annotated[
+    str | None,
+    typer.Option(
+        "--matmul",
+        help="CPU fp32 matmuls: auto, blas or onednn (default: config).",
+    ),
+]
 WorkersOption = Annotated[
     int | None,
     typer.Option(
@@ -159,6 +166,7 @@ def translate(
     device: DeviceOption = "auto",
     workers: WorkersOption = None,
     precision: PrecisionOption = None,
+    matmul: MatmulOption = None,
 ) -> None:
     """Translate text, one line in, one line out (beam search, or greedy with --beam 1)."""
     from attnmt.evaluate import SearchOptions
@@ -166,7 +174,7 @@ def translate(
     from attnmt.model import AttentionSpec
 
     lines = _read_input(input)
-    cfg, tokenizer, net, dev = _load(model, weights, device, precision)
+    cfg, tokenizer, net, dev = _load(model, weights, device, precision, matmul)
     beam = cfg.decode.beam if beam is None else beam
     if n_best > beam:
         raise AttnmtError(f"--n-best {n_best} exceeds the beam size {beam}; raise --beam")
@@ -231,8 +239,12 @@ def _workers(option: int | None, configured: int, device: torch.device) -> int:
     return 1
 
 
-def _load(model_dir: Path, weights: str, device: str, precision: str | None) -> tuple:
-    """The model to translate with, in --precision (else decode.precision)."""
+def _load(
+    model_dir: Path, weights: str, device: str, precision: str | None, matmul: str | None
+) -> tuple:
+    """The model to translate with, in --precision (else decode.precision), its CPU matmuls
+    on --matmul (else decode.matmul)."""
+    from attnmt import matmul as mm
     from attnmt.checkpoint import BEST_FILE, LAST_FILE, load_model_dir
     from attnmt.evaluate import for_decoding
     from attnmt.ops import CPU_MATMUL_INSTRUCTIONS, PRECISION_DTYPES, cpu_matmul_hardware
@@ -244,11 +256,14 @@ def _load(model_dir: Path, weights: str, device: str, precision: str | None) -> 
         raise AttnmtError(f"--device {device!r}: expected auto, cpu or cuda")
     if precision is not None and precision not in PRECISION_DTYPES:
         raise AttnmtError(f"--precision {precision!r}: expected fp32, bf16 or fp16")
+    if matmul is not None and matmul not in mm.BACKENDS:
+        raise AttnmtError(f"--matmul {matmul!r}: expected {', '.join(mm.BACKENDS)}")
     dev = resolve_device(device)
     cfg, tokenizer, net = load_model_dir(
         model_dir, BEST_FILE if weights == "best" else LAST_FILE, dev
     )
     precision = precision or cfg.decode.precision
+    mm.set_backend(matmul or cfg.decode.matmul)
     if dev.type == "cpu" and not cpu_matmul_hardware(precision):
         print(
             f"attnmt: note: this CPU has no {precision} matmul instructions "
@@ -285,6 +300,7 @@ def evaluate(
     device: DeviceOption = "auto",
     workers: WorkersOption = None,
     precision: PrecisionOption = None,
+    matmul: MatmulOption = None,
 ) -> None:
     """Score translations with sacreBLEU (BLEU, chrF); translate --src first if --model is given."""
     from attnmt.data import read_lines
@@ -307,7 +323,7 @@ def evaluate(
             )
         from attnmt.evaluate import search_options, translate_lines
 
-        cfg, tokenizer, net, dev = _load(model, weights, device, precision)
+        cfg, tokenizer, net, dev = _load(model, weights, device, precision, matmul)
         options = search_options(cfg.decode, beam)
         n_workers = _workers(workers, cfg.decode.workers, dev)
         hyps = translate_lines(

@@ -102,6 +102,7 @@ class TrainConfig(_Section):
     seed: int = Field(1234, ge=0, le=2**32 - 1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    matmul: Literal["auto", "blas", "onednn"] = "auto"
     compile: bool = False
     threads: int = Field(0, ge=0, le=1024)
     eval_every: int = Field(1000, ge=1)
@@ -129,6 +130,7 @@ class DecodeConfig(_Section):
     batch_tokens: int = Field(8000, ge=1)
     workers: int = Field(1, ge=1, le=64)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    matmul: Literal["auto", "blas", "onednn"] = "auto"
 
 
 class Config(_Section):

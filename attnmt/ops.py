@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnmt import matmul
+
 
 def _use_plain_ops(x: torch.Tensor) -> bool:
     """Off the CPU the plain ops are fast; under torch.compile the compiler fuses them itself
@@ -136,7 +138,10 @@ def dropout_add(x: torch.Tensor, y: torch.Tensor, p: float, training: bool) -> t
 
 
 def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """scale * (a @ b) in the matmul itself (addmm's alpha; beta=0 ignores the zero input)."""
+    """scale * (a @ b) in the matmul itself (addmm's alpha; beta=0 ignores the zero input);
+    with oneDNN (attnmt.matmul), the smaller operand scaled first."""
+    if matmul.use_onednn(a, a.size(0) * a.size(1) * b.size(1)):
+        return matmul.mm(a * scale, b) if a.numel() <= b.numel() else matmul.mm(a, b * scale)
     zeros = a.new_zeros(()).expand(a.size(0), b.size(1))
     return torch.addmm(zeros, a, b, beta=0, alpha=scale)
 
@@ -164,6 +169,8 @@ class _ReluDropoutLinear(torch.autograd.Function):
         ctx.scale = scale  # type: ignore[attr-defined]
         if bias is None:
             return _scaled_mm(a, weight.t(), scale)  # (N, d_out)
+        if matmul.use_onednn(a, a.numel() * weight.size(0)):
+            return matmul.linear(a, weight * scale, bias)  # (N, d_out)
         return torch.addmm(bias, a, weight.t(), alpha=scale)  # (N, d_out)
 
     @staticmethod
@@ -274,7 +281,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             h = h_mm[start : start + chunk]  # (c, d)
             t = target[start : start + chunk, None]  # (c, 1)
             z = buffer[: h.size(0)]  # (c, V)
-            if mm_dtype == dtype:
+            if mm_dtype == dtype and matmul.use_onednn(h, h.numel() * V):
+                z.copy_(matmul.mm(h, w_mm.t()))
+            elif mm_dtype == dtype:
                 torch.mm(h, w_mm.t(), out=z)
             else:
                 z.copy_(h @ w_mm.t())
@@ -293,7 +302,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 assert d_hidden is not None and d_weight is not None
                 g = logp.exp_()  # (c, V) softmax, in place of log p
                 g.scatter_add_(1, t, g.new_full(t.shape, -(1.0 - smoothing)))
-                if mm_dtype == dtype:
+                if mm_dtype == dtype and matmul.use_onednn(g, g.numel() * h.size(1)):
+                    d_hidden[start : start + chunk] = matmul.mm(g, w_mm)  # (c, d)
+                    d_weight = matmul.mm(g.t(), h, add=d_weight)  # (V, d)
+                elif mm_dtype == dtype:
                     torch.mm(g, w_mm, out=d_hidden[start : start + chunk])  # (c, d)
                     d_weight.addmm_(g.t(), h)  # (V, d)
                 else:

@@ -24,12 +24,20 @@ from __future__ import annotations
 
 import torch
 
+from attnmt import matmul
+
 Tensor = torch.Tensor
 
 
 def _mm(a: Tensor, b: Tensor, md: torch.dtype, out: torch.dtype) -> Tensor:
     """a @ b (batched when 3-D) with both operands in the matmul dtype md, the result in out.
-    Casting a tensor already in md is free, so hot loops pass weights cast once."""
+    Casting a tensor already in md is free, so hot loops pass weights cast once. In fp32 the
+    products take the backend of attnmt.matmul (a 3-D one as one product per batch entry)."""
+    if md == out == torch.float32:
+        if a.dim() == 2:
+            return matmul.mm(a, b)
+        if matmul.use_onednn(a, a.numel() * b.size(-1)):
+            return torch.stack([matmul.mm(x, y) for x, y in zip(a, b, strict=True)])
     return (a.to(md) @ b.to(md)).to(out)
 
 

@@ -18,6 +18,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from attnmt.attention import AdditiveAttention, DotAttention, SourceAttention
 from attnmt.config import ModelConfig
 from attnmt.data import Batch
+from attnmt.matmul import Linear
 from attnmt.model import AttentionSpec, Seq2Seq, gold_coins, sequence_loss
 from attnmt.ops import Dropout, linear_cross_entropy
 from attnmt.recurrence import bigru_recurrence, gru_attention_recurrence
@@ -91,7 +92,7 @@ class RNNSeq2Seq(Seq2Seq):
         share_src = joint and cfg.tie_embeddings
         src_embed = self.tgt_embed if share_src else nn.Embedding(src_vocab, E, self.pad_id)
         self.encoder = GRUEncoder(src_embed, H, cfg.enc_layers, cfg.dropout)
-        self.bridge = nn.Linear(D, D)
+        self.bridge = Linear(D, D)
         if cfg.attention == "bahdanau":
             self.attention: SourceAttention = AdditiveAttention(D, D, D)
         else:
@@ -103,9 +104,9 @@ class RNNSeq2Seq(Seq2Seq):
             batch_first=True,
             dropout=cfg.dropout if cfg.dec_layers > 1 else 0.0,
         )
-        self.pre_output = nn.Linear(D + D + E, E)
+        self.pre_output = Linear(D + D + E, E)
         self.dropout = Dropout(cfg.dropout)
-        self.output = nn.Linear(E, tgt_vocab, bias=False)
+        self.output = Linear(E, tgt_vocab, bias=False)
         self._init_weights()
         if cfg.tie_embeddings:
             self.output.weight = self.tgt_embed.weight

@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from attnmt import distributed
+from attnmt import distributed, matmul
 from attnmt.checkpoint import (
     BEST_FILE,
     CONFIG_FILE,
@@ -72,6 +72,7 @@ RESUMABLE_KEYS = (
     "train.patience",
     "train.device",
     "train.threads",
+    "train.matmul",
     "train.compile",
     "train.log_every",
     "train.keep_best",
@@ -416,15 +417,22 @@ def _train(
         )
     if t.compile:
         step_model = cast(nn.Module, torch.compile(step_model))
+    # The library for fp32 CPU matmuls (attnmt.matmul); its oneDNN kernels are cached per
+    # shape like the low-precision ones below.
+    mm_backend = matmul.set_backend(t.matmul) if device.type == "cpu" else "blas"
+    if device.type == "cpu" and mm_backend == "onednn" and t.precision == "fp32":
+        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
     log.event(
         "model",
         f"model: {cfg.model.arch}, {n_params:,} parameters, device {device}, {t.precision}"
+        + (f", {mm_backend} matmuls" if device.type == "cpu" and t.precision == "fp32" else "")
         + (f", {ranks.world} processes" if ranks.world > 1 else "")
         + (f" | resumed at step {progress.step}" if checkpoint else ""),
         arch=cfg.model.arch,
         parameters=n_params,
         device=str(device),
         resumed_step=progress.step if checkpoint else None,
+        matmul=mm_backend,
     )
     if resume and checkpoint is None:
         log.event("resume", "--resume: no checkpoint in this directory yet; starting at step 0")

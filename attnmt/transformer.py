@@ -17,6 +17,7 @@ from torch import nn
 from attnmt.attention import MultiHeadAttention, additive_mask
 from attnmt.config import ModelConfig
 from attnmt.data import Batch
+from attnmt.matmul import Linear
 from attnmt.model import AttentionSpec, Seq2Seq, gold_coins
 from attnmt.ops import Dropout, dropout_add, linear_cross_entropy, relu_dropout_linear
 from attnmt.tokenizer import PAD_ID
@@ -59,8 +60,8 @@ class FeedForward(nn.Module):
 
     def __init__(self, d_model: int, ff_size: int, dropout: float) -> None:
         super().__init__()
-        self.w_1 = nn.Linear(d_model, ff_size)
-        self.w_2 = nn.Linear(ff_size, d_model)
+        self.w_1 = Linear(d_model, ff_size)
+        self.w_2 = Linear(ff_size, d_model)
         self.p = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -236,7 +237,7 @@ class TransformerSeq2Seq(Seq2Seq):
         # Pre-norm stacks end with a LayerNorm: the residual stream itself is never normalised.
         self.enc_norm = nn.LayerNorm(d) if self.pre_norm else nn.Identity()
         self.dec_norm = nn.LayerNorm(d) if self.pre_norm else nn.Identity()
-        self.output = nn.Linear(d, tgt_vocab, bias=False)
+        self.output = Linear(d, tgt_vocab, bias=False)
         self._init_weights(d)
         if cfg.tie_embeddings:
             self.output.weight = tgt_embed.weight

@@ -7,6 +7,7 @@
     python scripts/bench.py decode --model DIR [--model DIR ...] [--data DIR] [--runs N]
                                    [--beams 1,5] [--batch-sentences 64] [--max-len 60]
                                    [--threads 2] [--workers 1[,2]] [--precision fp32]
+                                   [--matmul auto]
 
 decode: translates Multi30k test_2016_flickr (1,000 sentences, from --data, default
 data/multi30k) with each model and beam size, the way ../shared/peers measures JoeyNMT and
@@ -48,6 +49,7 @@ from typing import Any
 import torch
 import yaml
 
+from attnmt import matmul
 from attnmt.checkpoint import load_model_dir
 from attnmt.data import read_lines
 from attnmt.evaluate import SearchOptions, for_decoding, score, translate
@@ -56,6 +58,7 @@ from attnmt.ops import PRECISION_DTYPES
 
 def bench_decode(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
+    backend = matmul.set_backend(args.matmul)
     src = read_lines(args.data / "test_2016_flickr.de.gz")
     ref = read_lines(args.data / "test_2016_flickr.en.gz")
     for model_dir in args.model:
@@ -100,6 +103,7 @@ def bench_decode(args: argparse.Namespace) -> None:
                         "threads": args.threads,
                         "workers": workers,
                         "precision": args.precision,
+                        "matmul": backend,
                         "batch_sentences": args.batch_sentences,
                         "max_len": args.max_len,
                     }
@@ -141,15 +145,16 @@ def matmul_peak_gflops(
     sizes: tuple[int, ...] = (1024, 2048),
     reps: int = 5,
 ) -> float:
-    """Best GFLOP/s of square `dtype` matmuls on the CPU with `threads` threads."""
+    """Best GFLOP/s of square `dtype` matmuls on the CPU with `threads` threads, through the
+    backend in use (attnmt.matmul: the BLAS or oneDNN)."""
     torch.set_num_threads(threads)
     best = 0.0
     for n in sizes:
         a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        a @ b  # warm-up
+        matmul.mm(a, b)  # warm-up
         for _ in range(reps):
             start = time.perf_counter()
-            a @ b
+            matmul.mm(a, b)
             best = max(best, 2 * n**3 / (time.perf_counter() - start) / 1e9)
     return best
 
@@ -191,7 +196,13 @@ def bench_train(args: argparse.Namespace) -> None:
             precision = next(
                 (a.split("=", 1)[1] for a in args.set if a.startswith("train.precision=")), "fp32"
             )
-            peak = matmul_peak_gflops(args.threads, PRECISION_DTYPES.get(precision, torch.float32))
+            dtype = PRECISION_DTYPES.get(precision, torch.float32)
+            # The machine's fp32 peak: the better of the two libraries (attnmt.matmul).
+            peaks = {}
+            for lib in ("blas", "onednn") if dtype == torch.float32 else ("blas",):
+                with matmul.backend(lib) as used:
+                    peaks[used] = max(peaks.get(used, 0.0), matmul_peak_gflops(args.threads, dtype))
+            peak = max(peaks.values())
             cmd = [sys.executable, "-m", "attnmt", "train", "--config", str(work / "config.yaml")]
             if args.procs > 1:
                 # Data parallel over processes (DDP over gloo): each rank takes 1/procs of a
@@ -211,6 +222,7 @@ def bench_train(args: argparse.Namespace) -> None:
                 for line in (work / "model" / "train_log.jsonl").read_text().splitlines()
             ]
         params = next(e["parameters"] for e in events if e["event"] == "model")
+        backend = next(e.get("matmul") for e in events if e["event"] == "model")
         steps = [e for e in events if e["event"] == "train" and e["step"] > args.warmup]
         rates = [e["tokens"] / e["seconds"] for e in steps]
         tokens = sum(e["tokens"] for e in steps)
@@ -234,7 +246,9 @@ def bench_train(args: argparse.Namespace) -> None:
                     "padding": round(padding, 4),
                     "model_gflops": round(model_gflops, 1),
                     "precision": precision,
+                    "matmul": backend,
                     "peak_gflops": round(peak, 1),
+                    "peak_gflops_by_library": {k: round(v, 1) for k, v in peaks.items()},
                     "peak_share": round(model_gflops / peak, 3),
                     "max_rss_mb": round(usage.ru_maxrss / 1024, 1),
                     "dev_loss": round(dev_loss, 4),
@@ -268,6 +282,9 @@ def main() -> int:
         help="batches searched at once, sharing the threads; e.g. 1,2 measures both",
     )
     d.add_argument("--precision", choices=list(PRECISION_DTYPES), default="fp32")
+    d.add_argument(
+        "--matmul", choices=list(matmul.BACKENDS), default="auto", help="CPU fp32 matmul library"
+    )
     t = sub.add_parser("train", help="training speed on Multi30k de-en")
     t.add_argument("--data", type=Path, default=Path("data/multi30k"), help="Multi30k folder")
     t.add_argument("--steps", type=int, default=200, help="training steps per config")

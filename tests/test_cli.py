@@ -11,6 +11,8 @@ import pytest
 import torch
 import yaml
 
+from attnmt import matmul
+
 from conftest import tiny_config, write_config, write_lines
 
 
@@ -169,6 +171,8 @@ def test_train_translate_eval_end_to_end(tmp_path: Path, corpus, run_cli, arch, 
     assert [v["step"] for v in validations] == [4, 8, 9]
     assert all({"dev_loss", "dev_ppl", "dev_bleu"} <= set(v) for v in validations)
     assert events[-1]["event"] == "done" and events[-1]["steps"] == 9
+    model_event = next(e for e in events if e["event"] == "model")
+    assert model_event["matmul"] == ("onednn" if matmul.onednn_is_faster() else "blas")
     assert events[-2]["event"] == "test" and events[-2]["pairs"] == 20
     assert "tok:13a" in events[-2]["bleu_signature"]
 
@@ -208,6 +212,24 @@ def test_train_translate_eval_end_to_end(tmp_path: Path, corpus, run_cli, arch, 
     assert_user_error(
         run_cli("translate", "-m", str(model), "--precision", "int8", stdin=b"x\n"),
         "--precision 'int8': expected fp32, bf16 or fp16",
+    )
+    # CPU fp32 matmuls in oneDNN (every product, the dims here are tiny), in 2 forked workers
+    # too: the same lines; an unknown backend is a user error
+    if torch.backends.mkldnn.is_available():
+        out4 = tmp_path / "hyp4.txt"
+        with monkeypatch.context() as m:
+            m.setattr(matmul, "ONEDNN_MIN_WORK", 0)
+            for workers in ("1", "2"):
+                r = run_cli(
+                    "translate", "-m", str(model), "-i", str(corpus["dev_src"]), "-o", str(out4),
+                    "--matmul", "onednn", "--workers", workers, "--batch-tokens", "40",
+                )  # fmt: skip
+                assert r.code == 0, r.stderr
+                assert out4.read_text() == out.read_text()
+        matmul.set_backend("auto")
+    assert_user_error(
+        run_cli("translate", "-m", str(model), "--matmul", "mkl", stdin=b"x\n"),
+        "--matmul 'mkl': expected auto, blas, onednn",
     )
     # eval: translate and score
     r = run_cli(
