@@ -17,6 +17,7 @@ median over --runs runs of sentences/s and output pieces/s (EOS excluded), the m
 length, and BLEU/chrF with sacreBLEU signatures. --workers 2 searches two batches at once, each
 in its own forked process on one of the 2 threads (`attnmt translate --workers`); --precision
 bf16 or fp16 decodes with the weights in that format (`attnmt translate --precision`).
+--matmul auto|blas|onednn picks the CPU fp32 matmul library (`attnmt translate --matmul`).
 
 train: trains each config under test (T: Transformer 3+3, d256, 4 heads, FF 1024, ~4,096-token
 batches; R: bi-GRU 256 per direction + GRU decoder with Bahdanau attention, 64 sentences per
@@ -24,8 +25,11 @@ batch; both as in ../shared/peers) for --steps steps on Multi30k de-en with `att
 child process per config, and prints one JSON line per config: tokens_per_s (target tokens per
 second, median over the steps after --warmup), tokens_per_s_wall (their sum over the summed
 step times), padding (share of padded source + target positions), model_gflops (6 x
-parameters x tokens_per_s), peak_gflops (best square-matmul rate measured in this process with
-the same threads, in the run's precision: fp32 unless --set train.precision=bf16|fp16),
+parameters x tokens_per_s), matmul (the library the run's fp32 CPU matmuls took: blas or
+onednn, from train.matmul, default auto), peak_gflops (best square-matmul rate measured in this
+process with the same threads, in the run's precision: fp32 unless --set
+train.precision=bf16|fp16; in fp32 the better of the BLAS and oneDNN, each in
+peak_gflops_by_library),
 peak_share, max_rss_mb (the child's peak resident memory; with --procs, the largest
 process's), dev_loss (on the first --dev-sentences val pairs after the last step: compares
 precisions or code changes after the same number of steps). --procs N trains data-parallel

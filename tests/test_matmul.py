@@ -58,6 +58,10 @@ def test_linear_matches_f_linear_forward_and_backward(onednn, monkeypatch, bias:
         torch.testing.assert_close(a, b)
     with torch.no_grad():
         torch.testing.assert_close(layer(x), ref)
+    # An expanded incoming gradient (stride 0, from a sum) works too.
+    gx = torch.autograd.grad(layer(x).sum(), x)[0]
+    ref_gx = torch.autograd.grad(F.linear(x, layer.weight, layer.bias).sum(), x)[0]
+    torch.testing.assert_close(gx, ref_gx)
 
 
 @needs_onednn
