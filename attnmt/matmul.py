@@ -1,15 +1,16 @@
 """Which library runs the fp32 matmuls of our linear layers on CPU: the BLAS torch links (MKL)
 or oneDNN. The result is the same up to float rounding (summation order); only speed differs.
 
-Why: torch sends every fp32 CPU matmul to MKL, and MKL's sgemm takes its AVX2 kernels on AMD
-CPUs even where they have AVX-512 (MKL_VERBOSE names no AVX-512 path; MKL_ENABLE_INSTRUCTIONS
-does not change it). oneDNN, which torch also ships, chooses kernels by instruction set. On a
-2-core AMD EPYC with AVX-512 (Zen 5, torch 2.13.0) oneDNN ran the model's linear layers
-2.0-2.3x faster than MKL from 64 rows up (1 thread: 238-244 against 100-110 GFLOP/s) and their
-backward products 1.4-2.3x faster; on AVX2-only CPUs and on Intel ones the two ran within about
-10 % of each other (README, "Speed"). A call into oneDNN costs about 10 µs more than one into
-MKL, so products smaller than ONEDNN_MIN_WORK multiply-adds (a decoding step's few-row
-products) stay with the BLAS.
+Why: torch sends every fp32 CPU matmul to MKL, and MKL's sgemm runs AVX2 kernels on AMD CPUs
+even where they have AVX-512 (on a Zen 5 core it reached 100-110 GFLOP/s, the AVX2 rate, with
+MKL_ENABLE_INSTRUCTIONS=AVX512 or without). oneDNN, which torch also ships, chooses kernels by
+instruction set. On a 2-core AMD EPYC with AVX-512 (Zen 5, torch 2.13.0) oneDNN ran the model's
+linear layers 2.0-2.3x faster than MKL from 64 rows up (1 thread: 238-244 against 100-110
+GFLOP/s) and their backward products 1.4-2.3x faster. On an AVX2-only EPYC oneDNN ran -7 % to
++13 % of MKL's rate at the training shapes and mostly slower at decoding ones, and on Intel CPUs
+MKL uses AVX-512 itself (README, "Speed"): there `auto` keeps the BLAS. A call into oneDNN
+costs about 10 µs more than one into MKL, so products smaller than ONEDNN_MIN_WORK
+multiply-adds (a decoding step's few-row products) stay with the BLAS.
 
 The choice is a process-wide setting, like torch.set_num_threads: the CLI sets it once from
 `train.matmul` or `--matmul` before building anything; library code reads it through `linear`
