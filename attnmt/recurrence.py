@@ -106,7 +106,9 @@ class _GRUAttentionRecurrence(torch.autograd.Function):
             return _mm(x, w, md, f32)
 
         w_qT, w_hhT = w_q.t().to(md), w_hh.t().to(md)  # (D, A), (D, 3D)
-        w_icT = w_ih[:, E:].t().to(md)  # (D, 3D)
+        # A dense copy of the context columns: a slice with gaps between its rows sends
+        # oneDNN to its slow reference kernel (attnmt.matmul), once per step here.
+        w_icT = w_ih[:, E:].to(md).contiguous().t()  # (D, 3D)
         v_ = v.reshape(A).to(f32)  # (A,)
         K, vals = proj_keys.to(f32), values.to(f32)
         # The embedding part of every step's input projection, one matmul: (T, B, 3D).
@@ -148,7 +150,11 @@ class _GRUAttentionRecurrence(torch.autograd.Function):
         def mm(x: Tensor, w: Tensor) -> Tensor:
             return _mm(x, w, md, f32)
 
-        w_q_, w_hh_, w_ic = w_q.to(md), w_hh.to(md), w_ih[:, E:].to(md)  # (A,D), (3D,D), (3D,D)
+        w_q_, w_hh_, w_ic = (
+            w_q.to(md),
+            w_hh.to(md),
+            w_ih[:, E:].to(md).contiguous(),
+        )  # (A,D), (3D,D), (3D,D)
         v_ = v.reshape(A).to(f32)
         vals = values.to(f32)
         if d_outs is None:

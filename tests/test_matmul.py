@@ -71,6 +71,10 @@ def test_mm_with_and_without_addend(onednn):
     torch.testing.assert_close(matmul.mm(a, b), a @ b)
     torch.testing.assert_close(matmul.mm(a, b, add=c), a @ b + c)
     assert torch.equal(c, c.clone())  # the addend is not written
+    # A slice with gaps between its rows (oneDNN's reference kernel would take it) is copied.
+    wide = torch.randn(11, 20)
+    torch.testing.assert_close(matmul.mm(a, wide[:, 3:12].t()), a @ wide[:, 3:12].t())
+    torch.testing.assert_close(matmul.linear(a, wide[:, 3:12]), F.linear(a, wide[:, 3:12]))
 
 
 def test_blas_and_small_or_non_fp32_products_are_the_plain_ops(monkeypatch):
