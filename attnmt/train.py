@@ -417,15 +417,13 @@ def _train(
         )
     if t.compile:
         step_model = cast(nn.Module, torch.compile(step_model))
-    # The library for fp32 CPU matmuls (attnmt.matmul); its oneDNN kernels are cached per
-    # shape like the low-precision ones below.
+    # The library for fp32 CPU matmuls (attnmt.matmul).
     mm_backend = matmul.set_backend(t.matmul) if device.type == "cpu" else "blas"
-    if device.type == "cpu" and mm_backend == "onednn" and t.precision == "fp32":
-        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
+    fp32_cpu = device.type == "cpu" and autocast_dtype is None
     log.event(
         "model",
         f"model: {cfg.model.arch}, {n_params:,} parameters, device {device}, {t.precision}"
-        + (f", {mm_backend} matmuls" if device.type == "cpu" and t.precision == "fp32" else "")
+        + (f", {mm_backend} matmuls" if fp32_cpu else "")
         + (f", {ranks.world} processes" if ranks.world > 1 else "")
         + (f" | resumed at step {progress.step}" if checkpoint else ""),
         arch=cfg.model.arch,
@@ -436,22 +434,22 @@ def _train(
     )
     if resume and checkpoint is None:
         log.event("resume", "--resume: no checkpoint in this directory yet; starting at step 0")
-    if device.type == "cpu" and autocast_dtype is not None:
-        # oneDNN runs low-precision matmuls on CPU and caches a compiled kernel per shape, by
-        # default up to 1,024; token batches come in hundreds of shapes, and the cache took
-        # the bench's bf16 T run from 1.7 to 5.6 GiB. A small cache ran as fast. It is read
-        # when oneDNN first runs, so this must come before the first step (a user's own
-        # setting wins).
+    if device.type == "cpu" and (autocast_dtype is not None or mm_backend == "onednn"):
+        # oneDNN runs low-precision matmuls on CPU (and fp32 ones with train.matmul onednn) and
+        # caches a compiled kernel per shape, by default up to 1,024; token batches come in
+        # hundreds of shapes, and the cache took the bench's bf16 T run from 1.7 to 5.6 GiB. A
+        # small cache ran as fast. It is read when oneDNN first runs, so this must come before
+        # the first step (a user's own setting wins).
         os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
-        if not cpu_matmul_hardware(t.precision):
-            log.event(
-                "precision",
-                f"train.precision={t.precision}: this CPU has no {t.precision} matmul "
-                f"instructions ({CPU_MATMUL_INSTRUCTIONS[t.precision]})"
-                "; expect it slower than fp32",
-                precision=t.precision,
-                hardware=False,
-            )
+    if device.type == "cpu" and autocast_dtype is not None and not cpu_matmul_hardware(t.precision):
+        log.event(
+            "precision",
+            f"train.precision={t.precision}: this CPU has no {t.precision} matmul "
+            f"instructions ({CPU_MATMUL_INSTRUCTIONS[t.precision]})"
+            "; expect it slower than fp32",
+            precision=t.precision,
+            hardware=False,
+        )
 
     def elapsed() -> float:
         return progress.elapsed_s + time.time() - start_time
