@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnmt.matmul import Linear
-from attnmt.ops import dropout
+from attnmt.kernels import Linear, dropout
 
 
 def masked_softmax(scores: torch.Tensor, pad_mask: torch.Tensor | None) -> torch.Tensor:

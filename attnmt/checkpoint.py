@@ -35,7 +35,8 @@ from safetensors.torch import save_file
 from attnmt import __version__
 from attnmt.config import Config, from_dict, to_yaml
 from attnmt.errors import CheckpointError
-from attnmt.model import Seq2Seq, build_model
+from attnmt.model import build_model
+from attnmt.seq2seq import Seq2Seq
 from attnmt.tokenizer import Tokenizer
 
 FORMAT_VERSION = 1
@@ -59,12 +60,21 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _file_mode() -> int:
+    """The mode a new file gets from open(): 0o666 less the umask (mkstemp's is 0o600, which
+    would keep a model directory from being shared with a group)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def atomic_write(path: Path, write: Any) -> None:
     """Call write(tmp_path), fsync the file, rename it to path, fsync the directory."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         write(Path(tmp))
+        os.chmod(tmp, _file_mode())  # after write: a writer may have replaced the file
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -261,10 +271,39 @@ def write_run_files(out: Path, cfg: Config, tokenizer: Tokenizer) -> None:
     atomic_write_bytes(out / META_FILE, json.dumps(meta, indent=2).encode("utf-8"))
 
 
+def resolve_weights(model_dir: Path, weights: str) -> Path:
+    """The weights file that `weights` names in model_dir: best (or last while there is no best
+    yet, as after an interrupt before the first validation), last, step-N (a kept checkpoint),
+    a file name inside model_dir, or a path."""
+    step = re.fullmatch(r"step-(\d+)", weights)
+    if weights == "best":
+        path = model_dir / BEST_FILE
+        if not path.is_file() and (model_dir / LAST_FILE).is_file():
+            path = model_dir / LAST_FILE
+    elif weights == "last":
+        path = model_dir / LAST_FILE
+    elif step:
+        path = model_dir / CKPT_DIR / f"step-{int(step.group(1)):08d}.safetensors"
+    elif (model_dir / weights).is_file():
+        path = model_dir / weights
+    else:
+        path = Path(weights)
+    if not path.is_file():
+        kept = sorted(
+            f.name.split(".")[0] for f in (model_dir / CKPT_DIR).glob("step-*.safetensors")
+        )
+        raise CheckpointError(
+            f"{model_dir}: no weights {weights!r} ({path.name} not found); kept checkpoints: "
+            + (", ".join(f"step-{int(k[5:])}" for k in kept) or "none")
+        )
+    return path
+
+
 def load_model_dir(
-    model_dir: Path, weights: str = BEST_FILE, device: torch.device | str = "cpu"
+    model_dir: Path, weights: str = "best", device: torch.device | str = "cpu"
 ) -> tuple[Config, Tokenizer, Seq2Seq]:
-    """Load config, tokenizer and model (in eval mode) from a model directory."""
+    """Load config, tokenizer and model (in eval mode) from a model directory; `weights` as
+    resolve_weights takes it."""
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory not found: {model_dir}")
     meta_path, cfg_path = model_dir / META_FILE, model_dir / CONFIG_FILE
@@ -290,9 +329,6 @@ def load_model_dir(
     cfg = from_dict(raw)
     tokenizer = Tokenizer.load(model_dir, cfg.tokenizer.joint)
     model = build_model(cfg.model, src_vocab, tgt_vocab, cfg.tokenizer.joint)
-    weights_path = model_dir / weights
-    if not weights_path.is_file():
-        raise CheckpointError(f"{model_dir}: no {weights} (training has not saved weights yet)")
-    load_weights(model, weights_path, device)
+    load_weights(model, resolve_weights(model_dir, weights), device)
     model.to(device).eval()
     return cfg, tokenizer, model

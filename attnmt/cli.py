@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -20,17 +21,28 @@ from attnmt.errors import AttnmtError, DataError, TrainingInterrupted
 if TYPE_CHECKING:
     import torch
 
+    from attnmt.config import Config
+    from attnmt.seq2seq import Seq2Seq
+    from attnmt.tokenizer import Tokenizer
+
 app = typer.Typer(
     name="attnmt",
     help="Attention-based neural machine translation: train, translate, evaluate.",
-    add_completion=False,
     no_args_is_help=True,
+    rich_markup_mode=None,
     pretty_exceptions_enable=False,
 )
 
 
 # Options that translate and eval share.
-WeightsOption = Annotated[str, typer.Option("--weights", help="Which checkpoint: best or last.")]
+WeightsOption = Annotated[
+    str,
+    typer.Option(
+        "--weights",
+        help="Which weights: best (falls back to last while there is no best), last, step-N "
+        "(a kept checkpoint), or a .safetensors path.",
+    ),
+]
 DeviceOption = Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")]
 PrecisionOption = Annotated[
     str | None,
@@ -83,6 +95,7 @@ def train(
         list[str] | None,
         typer.Option(
             "--set",
+            metavar="KEY=VALUE",
             help="Override a config key by dotted path, value parsed as YAML "
             "(repeatable), e.g. --set train.lr=0.001",
         ),
@@ -169,12 +182,14 @@ def translate(
     matmul: MatmulOption = None,
 ) -> None:
     """Translate text, one line in, one line out (beam search, or greedy with --beam 1)."""
-    from attnmt.evaluate import SearchOptions
+    from attnmt.evaluate import search_options
     from attnmt.evaluate import translate as run_translate
-    from attnmt.model import AttentionSpec
+    from attnmt.kernels import matmul_backend
+    from attnmt.seq2seq import AttentionSpec
 
     lines = _read_input(input)
-    cfg, tokenizer, net, dev = _load(model, weights, device, precision, matmul)
+    loaded = _load(model, weights, device, precision, matmul)
+    cfg = loaded.cfg
     beam = cfg.decode.beam if beam is None else beam
     if n_best > beam:
         raise AttnmtError(f"--n-best {n_best} exceeds the beam size {beam}; raise --beam")
@@ -193,20 +208,15 @@ def translate(
             attention.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise AttnmtError(f"--attention {attention}: cannot create it ({e.strerror})") from None
-    options = SearchOptions(
-        beam=beam,
-        length_penalty=cfg.decode.length_penalty if length_penalty is None else length_penalty,
-        max_len_a=cfg.decode.max_len_a,
-        max_len_b=cfg.decode.max_len_b,
-        n_best=n_best,
-        attention=spec,
-        scores=n_best > 1,  # written only with the n-best lists
+    options = search_options(
+        cfg.decode, beam=beam, length_penalty=length_penalty, n_best=n_best, attention=spec
     )
-    n_workers = _workers(workers, cfg.decode.workers, dev)
-    results = run_translate(
-        net, tokenizer, lines, options, batch_tokens or cfg.decode.batch_tokens, None, dev,
-        n_workers,
-    )  # fmt: skip
+    with matmul_backend(loaded.matmul):
+        results = run_translate(
+            loaded.model, loaded.tokenizer, lines, options,
+            batch_tokens=batch_tokens or cfg.decode.batch_tokens, device=loaded.device,
+            workers=_workers(workers, cfg.decode.workers, loaded.device),
+        )  # fmt: skip
     if n_best == 1:
         text = "".join(r[0].text + "\n" for r in results)
     else:
@@ -221,11 +231,12 @@ def translate(
     if attention is not None:
         from attnmt.heatmap import write_attention_map
 
+        layer = attention_layer % cfg.model.dec_layers  # -1: the top layer, by its number
         what = "Bahdanau attention" if cfg.model.arch == "rnn" else (
-            f"cross-attention, layer {attention_layer}, "
+            f"cross-attention, layer {layer + 1} of {cfg.model.dec_layers}, "
             + ("mean of heads" if attention_head is None else f"head {attention_head}")
         )  # fmt: skip
-        for i, r in enumerate(results):
+        for i, r in enumerate(results, start=1):
             write_attention_map(attention, i, r[0], f"line {i}: {what}")
 
 
@@ -239,31 +250,50 @@ def _workers(option: int | None, configured: int, device: torch.device) -> int:
     return 1
 
 
+@dataclass
+class _Loaded:
+    """A model ready to translate with, and the CPU matmul backend to run it under."""
+
+    cfg: Config
+    tokenizer: Tokenizer
+    model: Seq2Seq
+    device: torch.device
+    matmul: str
+
+
 def _load(
     model_dir: Path, weights: str, device: str, precision: str | None, matmul: str | None
-) -> tuple:
+) -> _Loaded:
     """The model to translate with, in --precision (else decode.precision), its CPU matmuls
     on --matmul (else decode.matmul)."""
-    from attnmt import matmul as mm
     from attnmt.checkpoint import BEST_FILE, LAST_FILE, load_model_dir
     from attnmt.evaluate import for_decoding
-    from attnmt.ops import CPU_MATMUL_INSTRUCTIONS, PRECISION_DTYPES, cpu_matmul_hardware
+    from attnmt.kernels import (
+        BACKENDS,
+        CPU_MATMUL_INSTRUCTIONS,
+        PRECISION_DTYPES,
+        cpu_matmul_hardware,
+        limit_onednn_kernel_cache,
+    )
+    from attnmt.kernels.matmul import resolve
     from attnmt.train import resolve_device
 
-    if weights not in ("best", "last"):
-        raise AttnmtError(f"--weights {weights!r}: expected best or last")
     if device not in ("auto", "cpu", "cuda"):
         raise AttnmtError(f"--device {device!r}: expected auto, cpu or cuda")
     if precision is not None and precision not in PRECISION_DTYPES:
         raise AttnmtError(f"--precision {precision!r}: expected fp32, bf16 or fp16")
-    if matmul is not None and matmul not in mm.BACKENDS:
-        raise AttnmtError(f"--matmul {matmul!r}: expected {', '.join(mm.BACKENDS)}")
+    if matmul is not None and matmul not in BACKENDS:
+        raise AttnmtError(f"--matmul {matmul!r}: expected {', '.join(BACKENDS)}")
     dev = resolve_device(device)
-    cfg, tokenizer, net = load_model_dir(
-        model_dir, BEST_FILE if weights == "best" else LAST_FILE, dev
-    )
+    cfg, tokenizer, net = load_model_dir(model_dir, weights, dev)
+    if weights == "best" and not (model_dir / BEST_FILE).is_file():
+        print(
+            f"attnmt: note: {model_dir} has no {BEST_FILE} yet; using {LAST_FILE}", file=sys.stderr
+        )
     precision = precision or cfg.decode.precision
-    mm.set_backend(matmul or cfg.decode.matmul)
+    backend = resolve(matmul or cfg.decode.matmul)
+    if dev.type == "cpu" and (precision != "fp32" or backend == "onednn"):
+        limit_onednn_kernel_cache()  # oneDNN runs these matmuls; as training does
     if dev.type == "cpu" and not cpu_matmul_hardware(precision):
         print(
             f"attnmt: note: this CPU has no {precision} matmul instructions "
@@ -271,7 +301,7 @@ def _load(
             f"{precision} decoding is emulated and may be slower than fp32",
             file=sys.stderr,
         )
-    return cfg, tokenizer, for_decoding(net, precision), dev
+    return _Loaded(cfg, tokenizer, for_decoding(net, precision), dev, backend)
 
 
 @app.command("eval")
@@ -322,13 +352,16 @@ def evaluate(
                 f"line counts differ: {src} has {len(sources)} lines, {ref} has {len(refs)}"
             )
         from attnmt.evaluate import search_options, translate_lines
+        from attnmt.kernels import matmul_backend
 
-        cfg, tokenizer, net, dev = _load(model, weights, device, precision, matmul)
-        options = search_options(cfg.decode, beam)
-        n_workers = _workers(workers, cfg.decode.workers, dev)
-        hyps = translate_lines(
-            net, tokenizer, sources, options, cfg.decode.batch_tokens, dev, n_workers
-        )
+        loaded = _load(model, weights, device, precision, matmul)
+        decode = loaded.cfg.decode
+        with matmul_backend(loaded.matmul):
+            hyps = translate_lines(
+                loaded.model, loaded.tokenizer, sources, search_options(decode, beam=beam),
+                batch_tokens=decode.batch_tokens, device=loaded.device,
+                workers=_workers(workers, decode.workers, loaded.device),
+            )  # fmt: skip
         name = str(src)
         if output is not None:
             output.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")

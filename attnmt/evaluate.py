@@ -18,9 +18,9 @@ import torch
 from attnmt.config import DecodeConfig
 from attnmt.data import pad_sequences, sorted_batches
 from attnmt.errors import AttnmtError
-from attnmt.model import AttentionSpec, Seq2Seq
-from attnmt.ops import PRECISION_DTYPES
-from attnmt.search import Hypothesis, beam_search, greedy_search
+from attnmt.kernels import PRECISION_DTYPES
+from attnmt.search import Hypothesis, SearchOptions, beam_search, greedy_search
+from attnmt.seq2seq import AttentionSpec, Seq2Seq
 from attnmt.tokenizer import EOS_ID, PAD_ID, Tokenizer
 
 
@@ -33,25 +33,12 @@ class Translation:
     attention: torch.Tensor | None  # (len(tgt_pieces), len(src_pieces)) when asked for
 
 
-@dataclass(frozen=True)
-class SearchOptions:
-    """How translate() searches; mirrors the decode section of the config."""
-
-    beam: int = 1
-    length_penalty: float = 1.0
-    max_len_a: float = 1.5
-    max_len_b: int = 10
-    n_best: int = 1
-    attention: AttentionSpec | None = None
-    # Greedy search only (beam search needs them): compute Translation.score, else NaN.
-    scores: bool = True
-
-
 def translate(
     model: Seq2Seq,
     tokenizer: Tokenizer,
     lines: Sequence[str],
     options: SearchOptions,
+    *,
     batch_tokens: int,
     batch_sentences: int | None = None,
     device: torch.device | str = "cpu",
@@ -106,21 +93,11 @@ class _SearchJob:
 
     @torch.inference_mode()  # per thread, like grad mode: set in the thread that searches
     def __call__(self, batch: list[int]) -> list[list[Hypothesis]]:
-        options = self.options
         tokens = pad_sequences([self.src[j] for j in batch], PAD_ID).to(self.device)  # (B, S)
         pad_mask = tokens == PAD_ID  # (B, S)
-        if options.beam == 1:
-            return [
-                [h]
-                for h in greedy_search(
-                    self.model, tokens, pad_mask, options.max_len_a, options.max_len_b,
-                    options.attention, options.scores,
-                )
-            ]  # fmt: skip
-        return beam_search(
-            self.model, tokens, pad_mask, options.beam, options.length_penalty,
-            options.max_len_a, options.max_len_b, options.n_best, options.attention,
-        )  # fmt: skip
+        if self.options.beam == 1:
+            return [[h] for h in greedy_search(self.model, tokens, pad_mask, self.options)]
+        return beam_search(self.model, tokens, pad_mask, self.options)
 
 
 def _search_batches(
@@ -224,13 +201,16 @@ def translate_lines(
     tokenizer: Tokenizer,
     lines: Sequence[str],
     options: SearchOptions,
+    *,
     batch_tokens: int,
     device: torch.device | str = "cpu",
     workers: int = 1,
 ) -> list[str]:
     """The best translation of each line as text; exactly one output per input, in order."""
     n1 = replace(options, n_best=1, attention=None, scores=False)
-    found = translate(model, tokenizer, lines, n1, batch_tokens, None, device, workers)
+    found = translate(
+        model, tokenizer, lines, n1, batch_tokens=batch_tokens, device=device, workers=workers
+    )
     return [t[0].text for t in found]
 
 
@@ -242,13 +222,25 @@ def for_decoding(model: Seq2Seq, precision: str) -> Seq2Seq:
     return model.to(PRECISION_DTYPES[precision])
 
 
-def search_options(cfg: DecodeConfig, beam: int | None = None) -> SearchOptions:
-    """SearchOptions from a config's decode section (beam overridable, e.g. train.eval_beam)."""
+def search_options(
+    cfg: DecodeConfig,
+    *,
+    beam: int | None = None,
+    length_penalty: float | None = None,
+    n_best: int = 1,
+    attention: AttentionSpec | None = None,
+) -> SearchOptions:
+    """The one place SearchOptions are built: a config's decode section, with beam and length
+    penalty overridable (flags, train.eval_beam). Scores are computed only for n-best lists,
+    the one output that shows them."""
     return SearchOptions(
         beam=cfg.beam if beam is None else beam,
-        length_penalty=cfg.length_penalty,
+        length_penalty=cfg.length_penalty if length_penalty is None else length_penalty,
         max_len_a=cfg.max_len_a,
         max_len_b=cfg.max_len_b,
+        n_best=n_best,
+        attention=attention,
+        scores=n_best > 1,
     )
 
 

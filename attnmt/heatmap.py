@@ -9,12 +9,21 @@ from attnmt.checkpoint import atomic_write, atomic_write_bytes
 from attnmt.evaluate import Translation
 
 
-def write_attention_map(directory: Path, index: int, translation: Translation, title: str) -> None:
-    """Write DIR/NNNNNN.json and DIR/NNNNNN.png for input line `index` (0-based)."""
-    stem = directory / f"{index:06d}"
+def readable(piece: str) -> str:
+    """A SentencePiece piece as an axis label: the word-start marker ▁ dropped (fonts draw it
+    as a stray underscore), a piece that continues a word marked with a leading '##'."""
+    if piece.startswith("▁"):
+        return piece[1:] or "␣"
+    return piece if piece in ("</s>", "<unk>") else "##" + piece
+
+
+def write_attention_map(directory: Path, line: int, translation: Translation, title: str) -> None:
+    """Write DIR/NNNNNN.json and DIR/NNNNNN.png for input line number `line` (from 1, as
+    messages count lines)."""
+    stem = directory / f"{line:06d}"
     weights = translation.attention
     record = {
-        "line": index,
+        "line": line,
         "source_pieces": translation.src_pieces,
         "target_pieces": translation.tgt_pieces,
         "translation": translation.text,
@@ -33,8 +42,10 @@ def write_attention_map(directory: Path, index: int, translation: Translation, t
     rows, cols = weights.shape
     fig, ax = plt.subplots(figsize=(max(4.0, 0.45 * cols + 2), max(3.0, 0.4 * rows + 1.5)))
     image = ax.imshow(weights.numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
-    ax.set_xticks(range(cols), translation.src_pieces, rotation=90, fontsize=8)
-    ax.set_yticks(range(rows), translation.tgt_pieces, fontsize=8)
+    ax.set_xticks(
+        range(cols), [readable(p) for p in translation.src_pieces], rotation=90, fontsize=8
+    )
+    ax.set_yticks(range(rows), [readable(p) for p in translation.tgt_pieces], fontsize=8)
     ax.set_xlabel("source")
     ax.set_ylabel("output")
     ax.set_title(title, fontsize=9)

@@ -18,10 +18,14 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from attnmt.attention import AdditiveAttention, DotAttention, SourceAttention
 from attnmt.config import ModelConfig
 from attnmt.data import Batch
-from attnmt.matmul import Linear
-from attnmt.model import AttentionSpec, Seq2Seq, gold_coins, sequence_loss
-from attnmt.ops import Dropout, linear_cross_entropy
-from attnmt.recurrence import bigru_recurrence, gru_attention_recurrence
+from attnmt.kernels import (
+    Dropout,
+    Linear,
+    bigru_recurrence,
+    gru_attention_recurrence,
+    linear_cross_entropy,
+)
+from attnmt.seq2seq import AttentionSpec, Seq2Seq, gold_coins
 from attnmt.tokenizer import PAD_ID
 
 
@@ -54,22 +58,14 @@ class GRUEncoder(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """src (B, S) -> states (B, S, 2H) and final summary (B, 2H).
 
-        One layer in training runs as attnmt.recurrence.bigru_recurrence (hand-written
+        One layer in training runs as kernels.recurrence.bigru_recurrence (hand-written
         backpropagation through time, both directions in one loop); `fused=False`, more
         layers, or no gradient (decoding, validation) run torch.nn.GRU over packed sequences,
         whose C++ loop is faster when there is no backward to prepare (1.45x on test batches).
         """
         x = self.dropout(self.embed(src))  # (B, S, E)
         if fused and self.rnn.num_layers == 1 and torch.is_grad_enabled():
-            r = self.rnn
-            return bigru_recurrence(
-                x,
-                ~src_pad_mask,
-                torch.stack([r.weight_ih_l0, r.weight_ih_l0_reverse]),
-                torch.stack([r.bias_ih_l0, r.bias_ih_l0_reverse]),
-                torch.stack([r.weight_hh_l0, r.weight_hh_l0_reverse]),
-                torch.stack([r.bias_hh_l0, r.bias_hh_l0_reverse]),
-            )  # (B, S, 2H), (B, 2H)
+            return bigru_recurrence(x, ~src_pad_mask, self.rnn)  # (B, S, 2H), (B, 2H)
         lengths = (~src_pad_mask).sum(dim=1).cpu()  # (B,)
         # Packing keeps padding out of the recurrence, so the backward direction starts at
         # each sentence's last real token.
@@ -167,25 +163,19 @@ class RNNSeq2Seq(Seq2Seq):
         outputs and the contexts, (B, T, D) each.
 
         One GRU layer with Bahdanau attention (the usual setup) runs as one autograd function
-        with hand-written backpropagation through time (attnmt.recurrence; `fused=False`
+        with hand-written backpropagation through time (attnmt.kernels; `fused=False`
         steps through autograd instead, for tests); other setups step through autograd.
         """
         if fused and self.dec_layers == 1 and isinstance(self.attention, AdditiveAttention):
-            att, rnn = self.attention, self.rnn
             outs, contexts = gru_attention_recurrence(
                 embs,
                 hidden[0],
                 memory.proj_keys,
                 memory.enc_out,
                 memory.pad_mask,
-                att.query_layer.weight,
-                att.query_layer.bias,
-                att.energy_layer.weight,
-                rnn.weight_ih_l0,
-                rnn.bias_ih_l0,
-                rnn.weight_hh_l0,
-                rnn.bias_hh_l0,
-            )  # (T, B, D) each
+                self.attention,
+                self.rnn,
+            )  # (T, B, D) each; fmt: skip
             return outs.transpose(0, 1), contexts.transpose(0, 1)
         outs, contexts = [], []
         # unbind, not embs[:, t]: the backward of T slices would zero-fill T tensors of embs's
@@ -228,26 +218,33 @@ class RNNSeq2Seq(Seq2Seq):
     ) -> tuple[torch.Tensor, int]:
         memory = self.encode(batch.src, batch.src_pad_mask)
         hidden = self.init_state(memory)
-        B, T = batch.tgt_in.shape
-        if tf_ratio >= 1.0:
-            # All inputs are gold: embed them at once and project to the vocabulary once.
-            embs = self.dropout(self.tgt_embed(batch.tgt_in))  # (B, T, E)
-            outs, contexts = self.teacher_forced(memory, hidden, embs)  # (B, T, D) each
-            h = self._pre_output(outs, contexts, embs)  # (B, T, E)
-            return linear_cross_entropy(
-                h, self.output.weight, batch.tgt_out, PAD_ID, label_smoothing
-            )
-        # Scheduled sampling (Bengio et al. 2015, https://arxiv.org/abs/1506.03099): each
-        # position after the first takes the gold token with probability tf_ratio, else the
-        # model's own argmax from the previous step (no gradient through the choice).
-        use_gold = gold_coins((B, T), tf_ratio, generator, batch.tgt_in.device)  # (B, T)
-        prev = batch.tgt_in[:, 0]  # (B,) BOS
-        step_logits = []
-        for t in range(T):
-            if t > 0:
-                predicted = step_logits[-1].argmax(dim=-1)  # (B,)
-                prev = torch.where(use_gold[:, t], batch.tgt_in[:, t], predicted)
-            logits_t, hidden, _ = self.decode_step(memory, hidden, prev)  # (B, V)
-            step_logits.append(logits_t)
-        logits = torch.stack(step_logits, dim=1)  # (B, T, V)
-        return sequence_loss(logits, batch.tgt_out, label_smoothing)
+        inputs = batch.tgt_in  # (B, T)
+        if tf_ratio < 1.0:
+            use_gold = gold_coins(tuple(inputs.shape), tf_ratio, generator, inputs.device)
+            inputs = self.sampled_inputs(memory, hidden, inputs, use_gold)  # (B, T)
+        # All inputs known: embed them at once, run the recurrence, project once.
+        embs = self.dropout(self.tgt_embed(inputs))  # (B, T, E)
+        outs, contexts = self.teacher_forced(memory, hidden, embs)  # (B, T, D) each
+        h = self._pre_output(outs, contexts, embs)  # (B, T, E)
+        return linear_cross_entropy(h, self.output.weight, batch.tgt_out, PAD_ID, label_smoothing)
+
+    @torch.no_grad()
+    def sampled_inputs(
+        self, memory: RNNMemory, hidden: torch.Tensor, gold: torch.Tensor, use_gold: torch.Tensor
+    ) -> torch.Tensor:
+        """Scheduled sampling's decoder inputs (Bengio et al. 2015,
+        https://arxiv.org/abs/1506.03099): position t > 0 takes the gold token where
+        use_gold[:, t], else the model's own argmax prediction from step t-1, which was fed
+        its own mixed inputs before it. No gradient flows through the choice, so the choices
+        are made in a pass without autograd, and the loss then runs over the chosen inputs
+        like a teacher-forced batch. gold, use_gold (B, T) -> inputs (B, T).
+        """
+        inputs = gold.clone()  # (B, T)
+        for t in range(gold.size(1) - 1):
+            emb = self.dropout(self.tgt_embed(inputs[:, t]))  # (B, E)
+            out, context, hidden, _ = self._recur(memory, hidden, emb)  # (B, D) ...
+            rows = (~use_gold[:, t + 1]).nonzero().squeeze(1)  # (b,) rows that need a prediction
+            if rows.numel():
+                pre = self._pre_output(out[rows], context[rows], emb[rows])  # (b, E)
+                inputs[rows, t + 1] = self.output(pre).argmax(dim=-1)  # (b,)
+        return inputs

@@ -35,16 +35,17 @@ def _inverse_sigmoid_shape(p: float) -> float:
 
 
 def teacher_forcing_ratio(step: int, cfg: TeacherForcingConfig) -> float:
-    """Probability of feeding the gold previous token at training step `step` (from 0).
+    """Probability of feeding the gold previous token at training step `step`, counting from 1
+    as the learning-rate schedules do.
 
-    The ratio moves from cfg.start (step 0) to cfg.end (step cfg.steps and after):
+    The ratio moves from cfg.start (step 1) to cfg.end (step cfg.steps + 1 and after):
       constant:        start throughout
-      linear:          start + (end - start) * p,        p = min(step / steps, 1)
+      linear:          start + (end - start) * p,        p = min((step - 1) / steps, 1)
       exponential:     start * (end / start) ** p        (geometric; start, end > 0)
       inverse_sigmoid: end + (start - end) * f(p), f an inverse sigmoid with f(0)=1, f(1)=0
                        (the shape of Bengio et al. 2015, https://arxiv.org/abs/1506.03099)
     """
-    p = min(max(step, 0) / cfg.steps, 1.0)
+    p = min(max(step - 1, 0) / cfg.steps, 1.0)
     if cfg.schedule == "constant":
         return cfg.start
     if cfg.schedule == "linear":

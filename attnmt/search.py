@@ -11,7 +11,21 @@ from dataclasses import dataclass
 
 import torch
 
-from attnmt.model import AttentionSpec, Seq2Seq
+from attnmt.seq2seq import AttentionSpec, Seq2Seq
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """How to search; built from the config's decode section by evaluate.search_options."""
+
+    beam: int = 1  # 1: greedy search
+    length_penalty: float = 1.0  # GNMT alpha (beam search)
+    max_len_a: float = 1.5  # output limit a * source length + b
+    max_len_b: int = 10
+    n_best: int = 1  # hypotheses per sentence (beam search; <= beam)
+    attention: AttentionSpec | None = None  # return this attention per hypothesis
+    # Greedy search only (beam search needs them): compute Hypothesis.score, else NaN.
+    scores: bool = True
 
 
 @dataclass
@@ -86,10 +100,7 @@ def greedy_search(
     model: Seq2Seq,
     src: torch.Tensor,
     src_pad_mask: torch.Tensor,
-    max_len_a: float,
-    max_len_b: int,
-    attention: AttentionSpec | None = None,
-    scores: bool = True,
+    options: SearchOptions,
 ) -> list[Hypothesis]:
     """Take the argmax at every step.
 
@@ -98,14 +109,14 @@ def greedy_search(
 
     Args:
         src: (B, S) source ids; src_pad_mask: (B, S) bool, True at padding.
-        attention: return each hypothesis's source attention per step (slower).
-        scores: compute each hypothesis's score (a log-softmax over the vocabulary per
-            step); without it the scores are NaN.
+        options: the output limit; `attention` returns each hypothesis's source attention per
+            step (slower); without `scores` the scores are NaN (no log-softmax per step).
     Returns:
         One hypothesis per sentence; score = summed log-probability.
     """
     B, device = src.size(0), src.device
-    limits = max_output_lengths(src_pad_mask, max_len_a, max_len_b)  # (B,)
+    limits = max_output_lengths(src_pad_mask, options.max_len_a, options.max_len_b)  # (B,)
+    attention, scores = options.attention, options.scores
     memory = model.encode(src, src_pad_mask)
     state = model.init_state(memory)
     prev = torch.full((B,), model.bos_id, dtype=torch.long, device=device)  # (B,)
@@ -152,12 +163,7 @@ def beam_search(
     model: Seq2Seq,
     src: torch.Tensor,
     src_pad_mask: torch.Tensor,
-    beam: int,
-    alpha: float,
-    max_len_a: float,
-    max_len_b: int,
-    n_best: int = 1,
-    attention: AttentionSpec | None = None,
+    options: SearchOptions,
 ) -> list[list[Hypothesis]]:
     """Batched beam search: all sentences and all their beams advance as one tensor.
 
@@ -169,11 +175,13 @@ def beam_search(
     log-probability / length_penalty(length, alpha), with length counting EOS.
 
     Returns:
-        For each sentence, its n_best hypotheses, best first.
+        For each sentence, its n_best hypotheses: the 1-best first (see _n_best), then by score.
     """
-    assert 1 <= n_best <= beam
-    B, device, K = src.size(0), src.device, beam
-    limits = max_output_lengths(src_pad_mask, max_len_a, max_len_b)  # (B,)
+    K, n_best, alpha = options.beam, options.n_best, options.length_penalty
+    attention = options.attention
+    assert 1 <= n_best <= K
+    B, device = src.size(0), src.device
+    limits = max_output_lengths(src_pad_mask, options.max_len_a, options.max_len_b)  # (B,)
     # One memory row per sentence, shared by its K beams (see attnmt.model).
     memory = model.encode(src, src_pad_mask)
     beams_of = torch.arange(B, device=device).repeat_interleave(K)  # (B * K,)
@@ -186,6 +194,7 @@ def beam_search(
     prev = torch.full((B * K,), model.bos_id, dtype=torch.long, device=device)
     active = list(range(B))  # original sentence index of each active row block
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
+    first: list[Hypothesis | None] = [None] * B  # each sentence's 1-best answer
     for t in range(int(limits.max())):
         n = len(active)
         logits, state, attn = model.decode_step(memory, state, prev, attention)  # (n*K, V)
@@ -243,7 +252,10 @@ def beam_search(
                     sent.append(_hypothesis(
                         tokens[row], float(new_scores[r, j]), t + 1, alpha, False,
                         attn_hist[row] if attn_hist is not None else None))  # fmt: skip
-            elif not (best_is_eos[r] and len(sent) >= n_best):
+            if first[active[r]] is None and (at_limit[r] or (best_is_eos[r] and sent)):
+                # Where a 1-best search stops: its answer heads the n-best list too.
+                first[active[r]] = max(sent, key=lambda h: h.score)
+            if not at_limit[r] and not (best_is_eos[r] and len(sent) >= n_best):
                 keep.append(r)
         # 4. Done sentences leave; the others go on with their reordered beams.
         if not keep:
@@ -262,7 +274,15 @@ def beam_search(
             active = [active[r] for r in keep]
         else:
             state = model.select_state(state, rows)
-    return [sorted(h, key=lambda x: -x.score)[:n_best] for h in finished]
+    return [_n_best(hyps, best, n_best) for hyps, best in zip(finished, first, strict=True)]
+
+
+def _n_best(hyps: list[Hypothesis], first: Hypothesis | None, n: int) -> list[Hypothesis]:
+    """The n-best list: the 1-best answer, then the other hypotheses by score. A longer search
+    for more hypotheses may find one scoring above the 1-best; it still comes second, so that
+    the first line of an n-best list is always what a 1-best translation gives."""
+    assert first is not None
+    return [first, *sorted((h for h in hyps if h is not first), key=lambda h: -h.score)][:n]
 
 
 def _hypothesis(

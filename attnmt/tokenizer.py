@@ -132,16 +132,13 @@ class Tokenizer:
     @classmethod
     def load(cls, model_dir: Path, joint: bool) -> Tokenizer:
         names = [cls.JOINT_FILE] if joint else [cls.SRC_FILE, cls.TGT_FILE]
-        protos = []
+        vocabs = []
         for name in names:
             path = model_dir / name
             if not path.is_file():
                 raise CheckpointError(f"{model_dir}: missing SentencePiece model {name}")
             try:
-                protos.append(path.read_bytes())
-                vocab = SubwordVocab(protos[-1])
+                vocabs.append(SubwordVocab(path.read_bytes()))
             except (OSError, RuntimeError) as e:
                 raise CheckpointError(f"{path}: not a SentencePiece model ({e})") from None
-        if joint:
-            return cls(vocab, vocab)
-        return cls(SubwordVocab(protos[0]), SubwordVocab(protos[1]))
+        return cls(vocabs[0], vocabs[-1])  # joint: the same object twice

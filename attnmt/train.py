@@ -1,9 +1,9 @@
-"""The training loop: data and tokenizer setup, steps, validation, early stopping, resume.
+"""The training loop and its named parts: setup, one step, validation, checkpoints, signals.
 
-Reads top to bottom: prepare the model directory, read and validate the data, train (or, when
-resuming, load) the SentencePiece model, build the model, restore the last checkpoint if asked,
-then one flat loop over epochs and batches with a validation and checkpoint every
-`train.eval_every` steps.
+`train` prepares the model directory and calls `setup` (read and validate the data, train or,
+when resuming, load the SentencePiece model, build the model and optimizer, restore the last
+checkpoint if asked), then `train_loop`: one flat loop over epochs and batches, a `train_step`
+per batch and a `validate` (with a checkpoint) every `train.eval_every` steps.
 
 Everything that decides what happens next lives in `Progress` and the RNG states, and all of it
 is saved with each checkpoint, so a resumed run takes exactly the steps the uninterrupted run
@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -32,7 +33,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from attnmt import distributed, matmul
+from attnmt import distributed
 from attnmt.checkpoint import (
     BEST_FILE,
     CONFIG_FILE,
@@ -59,9 +60,17 @@ from attnmt.errors import (
     TrainingInterrupted,
 )
 from attnmt.evaluate import score, search_options, translate_lines
-from attnmt.model import Seq2Seq, build_model
-from attnmt.ops import CPU_MATMUL_INSTRUCTIONS, PRECISION_DTYPES, cpu_matmul_hardware
+from attnmt.kernels import (
+    CPU_MATMUL_INSTRUCTIONS,
+    PRECISION_DTYPES,
+    cpu_matmul_hardware,
+    limit_onednn_kernel_cache,
+    matmul_backend,
+)
+from attnmt.kernels.matmul import active as active_backend
+from attnmt.model import build_model
 from attnmt.schedules import inverse_sqrt_lr, teacher_forcing_ratio, warmup_lr
+from attnmt.seq2seq import Seq2Seq
 from attnmt.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
 # Keys that may change between a run and its resumption: they do not change what a step computes
@@ -81,10 +90,6 @@ RESUMABLE_KEYS = (
     "train.eval_batch_tokens",
     "decode.",
 )
-
-
-# oneDNN kernels kept for low-precision CPU matmuls (see _train).
-ONEDNN_CACHE_CAPACITY = 64
 
 
 def resolve_device(name: str) -> torch.device:
@@ -107,7 +112,8 @@ class RunLog:
             self.text = open(out / LOG_TEXT, "a", encoding="utf-8")  # noqa: SIM115 (see close)
             self.jsonl = open(out / LOG_JSONL, "a", encoding="utf-8")  # noqa: SIM115
 
-    def event(self, kind: str, line: str | None = None, **fields: Any) -> None:
+    def event(self, kind: str, line: str | None = None, echo: bool = True, **fields: Any) -> None:
+        """Log one event; `line` also goes to train.log and (echo, unless quiet) stderr."""
         if not self.enabled:
             return
         self.jsonl.write(json.dumps({"event": kind, **fields}) + "\n")
@@ -115,7 +121,7 @@ class RunLog:
         if line is not None:
             self.text.write(line + "\n")
             self.text.flush()
-            if not self.quiet:
+            if echo and not self.quiet:
                 tqdm.write(line, file=sys.stderr)
 
     def close(self) -> None:
@@ -241,29 +247,6 @@ def dev_loss(model: Seq2Seq, split: EncodedSplit, batch_tokens: int, device: tor
     return total / max(tokens, 1)
 
 
-def test_with_best(
-    model: Seq2Seq, tokenizer: Tokenizer, cfg: Config, out: Path, device: torch.device, log: RunLog
-) -> None:
-    """Translate data.test with the best weights and log its BLEU and chrF."""
-    assert cfg.data.test is not None
-    test_text = read_parallel(cfg.data.test.src, cfg.data.test.tgt)
-    load_weights(model, out / BEST_FILE, device)
-    hyps = translate_lines(
-        model, tokenizer, test_text.src, search_options(cfg.decode), cfg.train.eval_batch_tokens,
-        device,
-    )  # fmt: skip
-    s = score(hyps, test_text.tgt)
-    log.event(
-        "test",
-        f"test ({cfg.data.test.src.name}, best weights, beam {cfg.decode.beam}): "
-        f"BLEU {s.bleu:.2f} | chrF {s.chrf:.2f} | {s.bleu_signature}",
-        pairs=len(test_text.src),
-        beam=cfg.decode.beam,
-        skipped_empty=test_text.skipped_empty,
-        **s.as_dict(),
-    )
-
-
 class StopSignals:
     """SIGINT/SIGTERM: the first asks the loop to checkpoint and stop after the current step;
     a second one exits at once (every file on disk is already complete, writes are atomic)."""
@@ -288,52 +271,178 @@ class StopSignals:
             signal.signal(sig, handler)
 
 
+@dataclass
+class Run:
+    """Everything a training run works with; built by `setup`, used by the loop's parts."""
+
+    cfg: Config
+    out: Path
+    ranks: distributed.Ranks
+    device: torch.device
+    log: RunLog
+    tokenizer: Tokenizer
+    train_data: EncodedSplit
+    dev_data: EncodedSplit
+    dev_text: ParallelText
+    model: Seq2Seq
+    step_model: nn.Module  # what runs a step: the model, or its DDP / compiled wrapper
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    autocast_dtype: torch.dtype | None  # None: fp32
+    sampler: BucketSampler
+    tf_generator: torch.Generator  # scheduled sampling's coin flips
+    progress: Progress
+    start_time: float = field(default_factory=time.time)
+
+    def elapsed(self) -> float:
+        """Training seconds, over every resumption of the run."""
+        return self.progress.elapsed_s + time.time() - self.start_time
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+
 def train(
     cfg: Config, out: Path, overwrite: bool = False, resume: bool = False, quiet: bool = False
 ) -> dict[str, Any]:
     """Train a model from cfg into the model directory `out`; returns a summary."""
-    t = cfg.train
     ranks = distributed.ranks_from_env()
     if ranks.is_main:
         prepare_output_dir(out, overwrite, resume)
-    device = resolve_device(t.device)
+    device = resolve_device(cfg.train.device)
     if ranks.world > 1:
         device = distributed.init(ranks, device)
         ranks.barrier()  # the model directory exists before any rank reads or writes it
     log = RunLog(out, quiet, enabled=ranks.is_main)
+    backend = cfg.train.matmul if device.type == "cpu" else "blas"
     try:
-        return _train(cfg, out, resume, ranks, device, log)
+        with matmul_backend(backend):
+            return train_loop(setup(cfg, out, resume, ranks, device, log))
     finally:
         log.close()  # also when training fails: no log file is left open
         ranks.shutdown()
 
 
-def _train(
+def train_loop(run: Run) -> dict[str, Any]:
+    """Epochs of batches; a step per batch, a validation every train.eval_every steps."""
+    t, p, ranks = run.cfg.train, run.progress, run.ranks
+    meter = ThroughputMeter()
+    bar = ProgressBar(t.max_steps, p.step, enabled=not run.log.quiet and ranks.is_main)
+    stop_reason = "max_steps" if p.step >= t.max_steps else None
+    with StopSignals() as signals:
+        while stop_reason is None and p.epoch <= t.max_epochs:
+            batches = run.sampler.epoch(p.epoch)
+            # One step takes one batch per rank; a remainder too small for every rank is left.
+            while stop_reason is None and p.batch_in_epoch + ranks.world <= len(batches):
+                idx = batches[p.batch_in_epoch + ranks.rank]
+                p.batch_in_epoch += ranks.world
+                result = train_step(run, idx, signals.signum is not None)
+                if not result.updated:
+                    skip_step(run, result)
+                else:
+                    p.step += 1
+                    p.bad_steps_in_a_row = 0
+                    meter.add(result)
+                    bar.update(result)
+                    if p.step % t.log_every == 0 or p.step == 1:
+                        log_train(run, result, meter.take())
+                    if p.step % t.eval_every == 0 and validate(run):
+                        stop_reason = "early_stopping"
+                    elif p.step >= t.max_steps:
+                        stop_reason = "max_steps"
+                if result.signalled:
+                    bar.close()
+                    interrupt(run, signals.signum or signal.SIGTERM)  # raises
+            if stop_reason is None:
+                p.epoch += 1
+                p.batch_in_epoch = 0
+    bar.close()
+    if p.last_validated != p.step:
+        validate(run)
+    if ranks.is_main and run.cfg.data.test is not None and (run.out / BEST_FILE).is_file():
+        test_with_best(run)
+    return finish(run, stop_reason or "max_epochs")
+
+
+# --- setup ---
+
+
+def setup(
     cfg: Config,
     out: Path,
     resume: bool,
     ranks: distributed.Ranks,
     device: torch.device,
     log: RunLog,
-) -> dict[str, Any]:
+) -> Run:
+    """Seed, read the data, train or load the tokenizer, build the model and its optimizer,
+    and restore the last checkpoint when resuming."""
     t = cfg.train
     if t.threads:
         torch.set_num_threads(t.threads)
-    random.seed(t.seed)
-    np.random.seed(t.seed)
-    torch.manual_seed(t.seed)
-    # Scheduled sampling draws from its own generator so its coin flips are reproducible.
-    tf_generator = torch.Generator().manual_seed(t.seed + 1)
-    checkpoint = latest_checkpoint(out) if resume else None
-
+    tf_generator = seed_everything(t.seed)
     start_time = time.time()
+    checkpoint = latest_checkpoint(out) if resume else None
+    tokenizer, train_data, dev_data, dev_text = prepare_data(
+        cfg, out, ranks, checkpoint is not None, log
+    )
+    model = build_checked_model(cfg, tokenizer, device)
+    model.to(device).train()
+    optimizer = torch.optim.Adam(  # fused: one kernel for all parameters, not a few per tensor
+        model.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay, fused=True
+    )
+    sampler = BucketSampler(
+        [len(s) + 1 for s in train_data.src],
+        [len(x) + 1 for x in train_data.tgt],
+        t.batch_tokens,
+        t.seed,
+        max_sentences=t.batch_sentences,
+    )
+    run = Run(
+        cfg, out, ranks, device, log, tokenizer, train_data, dev_data, dev_text, model, model,
+        optimizer,
+        # fp16 needs loss scaling to keep small gradients from underflowing; bf16, fp32 do not.
+        torch.amp.GradScaler(device.type, enabled=t.precision == "fp16"),
+        None if t.precision == "fp32" else PRECISION_DTYPES[t.precision],
+        sampler, tf_generator, Progress(), start_time,
+    )  # fmt: skip
+    if checkpoint is not None:
+        restore(run, *checkpoint)
+    # DDP averages the gradients over the ranks during backward; it hooks into forward, which
+    # is the model's training loss. torch.compile wraps what runs the step.
+    if ranks.world > 1:
+        ids = [device.index] if device.type == "cuda" else None
+        run.step_model = DistributedDataParallel(model, device_ids=ids)
+    if t.compile:
+        run.step_model = cast(nn.Module, torch.compile(run.step_model))
+    log_model(run, resumed=checkpoint is not None)
+    if resume and checkpoint is None:
+        log.event("resume", "--resume: no checkpoint in this directory yet; starting at step 0")
+    return run
+
+
+def seed_everything(seed: int) -> torch.Generator:
+    """Seed Python's, NumPy's and torch's generators; returns scheduled sampling's own
+    generator, so that its coin flips are reproducible apart from dropout's draws."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed + 1)
+
+
+def prepare_data(
+    cfg: Config, out: Path, ranks: distributed.Ranks, resuming: bool, log: RunLog
+) -> tuple[Tokenizer, EncodedSplit, EncodedSplit, ParallelText]:
+    """Read and validate train and dev text, train the tokenizer (rank 0; or load it when
+    resuming), write the run files, and encode both splits."""
     train_text = read_parallel(cfg.data.train.src, cfg.data.train.tgt)
     dev_text = read_parallel(cfg.data.dev.src, cfg.data.dev.tgt)
-    if not train_text.src:
-        raise DataError(f"{cfg.data.train.src}: no sentence pairs with text on both sides")
-    if not dev_text.src:
-        raise DataError(f"{cfg.data.dev.src}: no sentence pairs with text on both sides")
-    if checkpoint is not None:
+    for text, path in ((train_text, cfg.data.train.src), (dev_text, cfg.data.dev.src)):
+        if not text.src:
+            raise DataError(f"{path}: no sentence pairs with text on both sides")
+    if resuming:
         saved = yaml.safe_load((out / CONFIG_FILE).read_text(encoding="utf-8"))
         check_resumable(from_dict(saved), cfg)
         tokenizer = Tokenizer.load(out, cfg.tokenizer.joint)
@@ -343,14 +452,11 @@ def _train(
         ranks.barrier()  # rank 0 trains SentencePiece and writes it; the others load it
         tokenizer = Tokenizer.load(out, cfg.tokenizer.joint)
     else:
+        tok = cfg.tokenizer
         tokenizer = Tokenizer.train(
-            train_text.src,
-            train_text.tgt,
-            cfg.tokenizer.vocab_size,
-            cfg.tokenizer.joint,
-            cfg.tokenizer.model_type,
-            cfg.tokenizer.character_coverage,
-        )
+            train_text.src, train_text.tgt, tok.vocab_size, tok.joint, tok.model_type,
+            tok.character_coverage,
+        )  # fmt: skip
         write_run_files(out, cfg, tokenizer)
         ranks.barrier()
     train_data, too_long = encode_and_filter(train_text, tokenizer, cfg.data.max_len)
@@ -373,330 +479,395 @@ def _train(
         src_vocab=len(tokenizer.src),
         tgt_vocab=len(tokenizer.tgt),
     )
+    return tokenizer, train_data, dev_data, dev_text
 
-    model = build_checked_model(cfg, tokenizer, device)
-    model.to(device).train()
-    n_params = sum(p.numel() for p in model.parameters())
-    # fused: one kernel for all parameters instead of a handful of ops per tensor.
-    optimizer = torch.optim.Adam(
-        model.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay, fused=True
-    )
-    # fp16 needs loss scaling to keep small gradients from underflowing; bf16 and fp32 do not.
-    scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
-    autocast_dtype = None if t.precision == "fp32" else PRECISION_DTYPES[t.precision]
-    sampler = BucketSampler(
-        [len(s) + 1 for s in train_data.src],
-        [len(x) + 1 for x in train_data.tgt],
-        t.batch_tokens,
-        t.seed,
-        max_sentences=t.batch_sentences,
-    )
-    progress = Progress()
-    if checkpoint is not None:
-        weights_path, state_path = checkpoint
-        state = load_train_state(state_path)
-        load_weights(model, weights_path, device)
-        try:
-            optimizer.load_state_dict(state["optimizer"])
-            progress = Progress(**state["progress"])
-            set_rng_state(state["rng"], tf_generator)
-            if "scaler" in state:
-                scaler.load_state_dict(state["scaler"])
-        except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
-            raise CheckpointError(
-                f"{state_path}: cannot restore the training state ({type(e).__name__}: {e})"
-            ) from None
-        if ranks.is_main:
-            save_weights(model, out / LAST_FILE)
-    # DDP averages the gradients over the ranks during backward; it hooks into forward, which
-    # is the model's training loss. torch.compile wraps what runs the step.
-    step_model: nn.Module = model
-    if ranks.world > 1:
-        step_model = DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
-        )
-    if t.compile:
-        step_model = cast(nn.Module, torch.compile(step_model))
-    # The library for fp32 CPU matmuls (attnmt.matmul).
-    mm_backend = matmul.set_backend(t.matmul) if device.type == "cpu" else "blas"
-    fp32_cpu = device.type == "cpu" and autocast_dtype is None
-    log.event(
+
+def restore(run: Run, weights_path: Path, state_path: Path) -> None:
+    """Load a checkpoint's weights, optimizer, scaler, counters and RNG states into run."""
+    state = load_train_state(state_path)
+    load_weights(run.model, weights_path, run.device)
+    try:
+        run.optimizer.load_state_dict(state["optimizer"])
+        run.progress = Progress(**state["progress"])
+        set_rng_state(state["rng"], run.tf_generator)
+        if "scaler" in state:
+            run.scaler.load_state_dict(state["scaler"])
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise CheckpointError(
+            f"{state_path}: cannot restore the training state ({type(e).__name__}: {e})"
+        ) from None
+    if run.ranks.is_main:
+        save_weights(run.model, run.out / LAST_FILE)
+
+
+def log_model(run: Run, resumed: bool) -> None:
+    """The `model` event (architecture, size, device, number formats), and the CPU notes."""
+    t, device = run.cfg.train, run.device
+    n_params = sum(p.numel() for p in run.model.parameters())
+    mm_backend = active_backend() if device.type == "cpu" else "blas"
+    fp32_cpu = device.type == "cpu" and run.autocast_dtype is None
+    run.log.event(
         "model",
-        f"model: {cfg.model.arch}, {n_params:,} parameters, device {device}, {t.precision}"
+        f"model: {run.cfg.model.arch}, {n_params:,} parameters, device {device}, {t.precision}"
         + (f", {mm_backend} matmuls" if fp32_cpu else "")
-        + (f", {ranks.world} processes" if ranks.world > 1 else "")
-        + (f" | resumed at step {progress.step}" if checkpoint else ""),
-        arch=cfg.model.arch,
+        + (f", {run.ranks.world} processes" if run.ranks.world > 1 else "")
+        + (f" | resumed at step {run.progress.step}" if resumed else ""),
+        arch=run.cfg.model.arch,
         parameters=n_params,
         device=str(device),
-        resumed_step=progress.step if checkpoint else None,
+        resumed_step=run.progress.step if resumed else None,
         matmul=mm_backend,
     )
-    if resume and checkpoint is None:
-        log.event("resume", "--resume: no checkpoint in this directory yet; starting at step 0")
-    if device.type == "cpu" and (autocast_dtype is not None or mm_backend == "onednn"):
-        # oneDNN runs low-precision matmuls on CPU (and fp32 ones with train.matmul onednn) and
-        # caches a compiled kernel per shape, by default up to 1,024; token batches come in
-        # hundreds of shapes, and the cache took the bench's bf16 T run from 1.7 to 5.6 GiB. A
-        # small cache ran as fast. It is read when oneDNN first runs, so this must come before
-        # the first step (a user's own setting wins).
-        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
-    if device.type == "cpu" and autocast_dtype is not None and not cpu_matmul_hardware(t.precision):
-        log.event(
+    if device.type == "cpu" and (run.autocast_dtype is not None or mm_backend == "onednn"):
+        limit_onednn_kernel_cache()  # before the first step: oneDNN reads it once
+    if (
+        device.type == "cpu"
+        and run.autocast_dtype is not None
+        and not cpu_matmul_hardware(t.precision)
+    ):
+        run.log.event(
             "precision",
             f"train.precision={t.precision}: this CPU has no {t.precision} matmul "
-            f"instructions ({CPU_MATMUL_INSTRUCTIONS[t.precision]})"
-            "; expect it slower than fp32",
+            f"instructions ({CPU_MATMUL_INSTRUCTIONS[t.precision]}); expect it slower than fp32",
             precision=t.precision,
             hardware=False,
         )
 
-    def elapsed() -> float:
-        return progress.elapsed_s + time.time() - start_time
 
-    def checkpoint_now(bleu: float | None) -> None:
-        progress.checkpoints.append([progress.step, bleu])
-        records = [CheckpointRecord(s, b) for s, b in progress.checkpoints]
-        state = {
-            "format_version": STATE_FORMAT_VERSION,
-            "progress": {**asdict(progress), "elapsed_s": elapsed()},
-            "optimizer": optimizer.state_dict(),
-            "rng": rng_state(tf_generator),
-        }
-        if scaler.is_enabled():
-            state["scaler"] = scaler.state_dict()
-        save_checkpoint(out, model, state, records, t.keep_last, t.keep_best)
-        progress.checkpoints = [[r.step, r.bleu] for r in records]
+# --- one step ---
 
-    def validate() -> bool:
-        """Validate on rank 0 (the others wait); returns True when early stopping says stop.
-        Rank 0 passes its decisions on: stop, and the plateau lr scale."""
-        progress.last_validated = progress.step
-        if ranks.world > 1:
-            same = ranks.weights_identical(model)
-            log.event(
-                "ranks",
-                None if same else f"step {progress.step}: the ranks' weights differ",
-                step=progress.step,
-                world=ranks.world,
-                weights_identical=same,
-            )
-        stop = validate_main() if ranks.is_main else False
-        if ranks.world > 1:
-            scale = progress.plateau_scale if ranks.is_main else 0.0
-            stop_sum, progress.plateau_scale = ranks.sum([float(stop), scale])
-            stop = stop_sum > 0
-        return stop
 
-    def validate_main() -> bool:
-        """Dev loss, perplexity and greedy BLEU; saves weights and a checkpoint."""
-        p = progress
-        loss = dev_loss(model, dev_data, t.eval_batch_tokens, device)
-        hyps = translate_lines(
-            model, tokenizer, dev_text.src, search_options(cfg.decode, t.eval_beam),
-            t.eval_batch_tokens, device,
-        )  # fmt: skip
-        bleu = score(hyps, dev_text.tgt).bleu
-        finite = math.isfinite(loss) and all_finite(model)
-        improved = finite and bleu > p.best_bleu
-        if improved:
-            p.best_bleu, p.bad_validations, p.plateau_bad = bleu, 0, 0
-            save_weights(model, out / BEST_FILE)
-        else:
-            p.bad_validations += 1
-            p.plateau_bad += 1
-            if t.lr_schedule == "plateau" and p.plateau_bad > t.plateau_patience:
-                p.plateau_scale *= t.plateau_factor
-                p.plateau_bad = 0
-        save_weights(model, out / LAST_FILE)
-        checkpoint_now(bleu if finite else None)
-        ppl = math.exp(min(loss, 50.0))
-        lr = learning_rate(p.step, cfg, p.plateau_scale)
-        tf = teacher_forcing_ratio(p.step, t.teacher_forcing)
-        log.event(
-            "validation",
-            f"step {p.step} | epoch {p.epoch} | dev loss {loss:.3f} | ppl {ppl:.2f} | "
-            f"BLEU {bleu:.2f}{' *' if improved else ''} | lr {lr:.2e} | tf {tf:.2f} | "
-            f"{elapsed():.0f} s",
-            step=p.step,
-            epoch=p.epoch,
-            dev_loss=loss,
-            dev_ppl=ppl,
-            dev_bleu=bleu,
-            best_bleu=p.best_bleu,
-            improved=improved,
-            lr=lr,
-            teacher_forcing=tf,
-            elapsed_s=round(elapsed(), 1),
-        )
-        return p.bad_validations >= t.patience
+@dataclass(frozen=True)
+class StepResult:
+    """What one training step did, summed over the ranks."""
 
-    def autocast() -> contextlib.AbstractContextManager[Any]:
-        if autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=autocast_dtype)
+    step: int  # the step's number, counting from 1 (the next one if it was skipped)
+    loss_sum: float  # summed token loss (label-smoothed)
+    tokens: float  # real target tokens
+    positions: float  # source + target positions, padding included
+    real: float  # source + target positions that are not padding
+    lr: float
+    teacher_forcing: float
+    loss_finite: bool
+    grads_finite: bool
+    signalled: bool  # some rank received SIGINT/SIGTERM
 
-    stop_reason = "max_epochs"
-    window_tokens, window_start = 0, time.time()
-    window_positions, window_real = 0.0, 0.0
-    bar = tqdm(
-        total=t.max_steps,
-        initial=progress.step,
-        desc="train",
-        unit="step",
-        disable=log.quiet or not ranks.is_main or None,
-        file=sys.stderr,
+    @property
+    def updated(self) -> bool:
+        """Whether the optimizer applied the step (loss and gradients finite)."""
+        return self.loss_finite and self.grads_finite
+
+    @property
+    def loss(self) -> float:
+        """Loss per target token."""
+        return self.loss_sum / max(self.tokens, 1.0)
+
+
+def train_step(run: Run, idx: list[int], signalled: bool) -> StepResult:
+    """Train on the batch of pairs `idx`: forward, backward, clip, and (if every loss and
+    gradient is finite) an optimizer update. `signalled`: this rank received a stop signal."""
+    t, p, ranks = run.cfg.train, run.progress, run.ranks
+    data = run.train_data
+    batch = collate(
+        [data.src[i] for i in idx], [data.tgt[i] for i in idx], idx, PAD_ID, BOS_ID, EOS_ID
+    ).to(run.device)
+    step = p.step + 1
+    lr, tf = step_schedules(step, run.cfg, p.plateau_scale)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    if ranks.world > 1:
+        torch.manual_seed(distributed.step_seed(t.seed, ranks.rank, p.step))
+        run.tf_generator.manual_seed(distributed.step_seed(t.seed + 1, ranks.rank, p.step))
+    n_tokens = batch.n_tokens
+    positions = batch.src.numel() + batch.tgt_out.numel()
+    real = n_tokens + int((~batch.src_pad_mask).sum())
+    # Every rank normalises by the tokens of all ranks; DDP's mean of the ranks' gradients is
+    # then the gradient of the loss per token of the whole step.
+    step_tokens, step_positions, step_real = ranks.sum(
+        [float(n_tokens), float(positions), float(real)]
     )
-    p = progress
-    done = p.step >= t.max_steps
-    if done:
-        stop_reason = "max_steps"
-    with StopSignals() as signals:
-        while not done and p.epoch <= t.max_epochs:
-            batches = sampler.epoch(p.epoch)
-            # One step takes one batch per rank; a remainder too small for every rank is left.
-            while p.batch_in_epoch + ranks.world <= len(batches):
-                idx = batches[p.batch_in_epoch + ranks.rank]
-                p.batch_in_epoch += ranks.world
-                batch = collate(
-                    [train_data.src[i] for i in idx],
-                    [train_data.tgt[i] for i in idx],
-                    idx,
-                    PAD_ID,
-                    BOS_ID,
-                    EOS_ID,
-                ).to(device)
-                tf = teacher_forcing_ratio(p.step, t.teacher_forcing)
-                lr = learning_rate(p.step + 1, cfg, p.plateau_scale)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                if ranks.world > 1:
-                    torch.manual_seed(distributed.step_seed(t.seed, ranks.rank, p.step))
-                    tf_generator.manual_seed(distributed.step_seed(t.seed + 1, ranks.rank, p.step))
-                n_tokens = batch.n_tokens
-                positions = batch.src.numel() + batch.tgt_out.numel()
-                real = n_tokens + int((~batch.src_pad_mask).sum())
-                # Every rank normalises by the tokens of all ranks; DDP's mean of the ranks'
-                # gradients is then the gradient of the loss per token of the whole step.
-                step_tokens, step_positions, step_real = ranks.sum(
-                    [float(n_tokens), float(positions), float(real)]
-                )
-                with autocast():
-                    loss_sum, _ = step_model(batch, tf, t.label_smoothing, tf_generator)
-                if ranks.world == 1:
-                    loss = loss_sum / n_tokens
-                else:
-                    loss = loss_sum * (ranks.world / step_tokens)
-                optimizer.zero_grad(set_to_none=True)
-                scaler.scale(loss).backward()
-                scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(
-                    model.parameters(), t.clip_grad_norm if t.clip_grad_norm > 0 else math.inf
-                )
-                step_loss, signalled = ranks.sum(
-                    [float(loss_sum.detach()), float(signals.signum is not None)]
-                )
-                loss_finite = math.isfinite(step_loss)
-                grads_finite = bool(torch.isfinite(grad_norm))
-                if loss_finite and grads_finite:
-                    scaler.step(optimizer)
-                # Every step ends the scaler's cycle (a no-op unless fp16): it lowers the scale
-                # after non-finite gradients, and the next unscale_ requires it.
-                scaler.update()
-                if loss_finite and not grads_finite and scaler.is_enabled():
-                    # fp16 overflow: the update was skipped and the scale lowered; not a bad step.
-                    p.skipped_steps += 1
-                    log.event("fp16_overflow", None, step=p.step + 1, scale=scaler.get_scale())
-                elif not (loss_finite and grads_finite):
-                    # Skip the update: one bad batch must not poison the weights.
-                    p.bad_steps_in_a_row += 1
-                    p.skipped_steps += 1
-                    log.event(
-                        "nonfinite",
-                        None,
-                        step=p.step + 1,
-                        in_a_row=p.bad_steps_in_a_row,
-                        skipped_total=p.skipped_steps,
-                    )
-                    if p.bad_steps_in_a_row >= t.max_bad_steps:
-                        raise TrainingError(
-                            f"{p.bad_steps_in_a_row} steps in a row had a non-finite loss or "
-                            f"gradient (train.max_bad_steps = {t.max_bad_steps}) at step "
-                            f"{p.step + 1}; try a lower train.lr or train.clip_grad_norm"
-                        )
-                else:
-                    p.step += 1
-                    p.bad_steps_in_a_row = 0
-                    window_tokens += int(step_tokens)
-                    window_positions += step_positions
-                    window_real += step_real
-                    bar.update(1)
-                    if p.step % t.log_every == 0 or p.step == 1:
-                        now = time.time()
-                        seconds = now - window_start
-                        tok_s = window_tokens / max(seconds, 1e-9)
-                        padding = 1.0 - window_real / max(window_positions, 1.0)
-                        log_tokens = window_tokens
-                        window_tokens, window_start = 0, now
-                        window_positions, window_real = 0.0, 0.0
-                        bar.set_postfix(
-                            loss=f"{step_loss / step_tokens:.3f}",
-                            lr=f"{lr:.1e}",
-                            tok_s=f"{tok_s:.0f}",
-                            tf=f"{tf:.2f}",
-                        )
-                        log.event(
-                            "train",
-                            None,
-                            step=p.step,
-                            epoch=p.epoch,
-                            loss=step_loss / step_tokens,
-                            lr=lr,
-                            tokens_per_s=round(tok_s, 1),
-                            tokens=log_tokens,
-                            seconds=round(seconds, 4),
-                            padding=round(padding, 4),
-                            teacher_forcing=tf,
-                        )
-                    if p.step % t.eval_every == 0 and validate():
-                        stop_reason, done = "early_stopping", True
-                    elif p.step >= t.max_steps:
-                        stop_reason, done = "max_steps", True
-                if signalled:
-                    if p.last_validated != p.step and ranks.is_main:
-                        checkpoint_now(None)
-                    bar.close()
-                    signum = signals.signum or signal.SIGTERM  # another rank was signalled
-                    name = signal.Signals(signum).name
-                    log.event(
-                        "interrupted",
-                        f"{name} at step {p.step}: checkpoint saved; continue with --resume",
-                        step=p.step,
-                        signal=name,
-                    )
-                    raise TrainingInterrupted(signum, p.step)
-                if done:
-                    break
-            if not done:
-                p.epoch += 1
-                p.batch_in_epoch = 0
-    bar.close()
-    if p.last_validated != p.step:
-        validate()
-    if ranks.is_main and cfg.data.test is not None and (out / BEST_FILE).is_file():
-        test_with_best(model, tokenizer, cfg, out, device, log)
+    with run.autocast():
+        loss_sum, _ = run.step_model(batch, tf, t.label_smoothing, run.tf_generator)
+    loss = loss_sum / n_tokens if ranks.world == 1 else loss_sum * (ranks.world / step_tokens)
+    run.optimizer.zero_grad(set_to_none=True)
+    run.scaler.scale(loss).backward()
+    run.scaler.unscale_(run.optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(
+        run.model.parameters(), t.clip_grad_norm if t.clip_grad_norm > 0 else math.inf
+    )
+    step_loss, signals = ranks.sum([float(loss_sum.detach()), float(signalled)])
+    loss_finite, grads_finite = math.isfinite(step_loss), bool(torch.isfinite(grad_norm))
+    if loss_finite and grads_finite:
+        run.scaler.step(run.optimizer)
+    # Every step ends the scaler's cycle (a no-op unless fp16): it lowers the scale after
+    # non-finite gradients, and the next unscale_ requires it.
+    run.scaler.update()
+    return StepResult(
+        step, step_loss, step_tokens, step_positions, step_real, lr, tf, loss_finite,
+        grads_finite, signals > 0,
+    )  # fmt: skip
+
+
+def step_schedules(step: int, cfg: Config, plateau_scale: float) -> tuple[float, float]:
+    """Learning rate and teacher-forcing ratio of training step `step` (counting from 1)."""
+    return learning_rate(step, cfg, plateau_scale), teacher_forcing_ratio(
+        step, cfg.train.teacher_forcing
+    )
+
+
+def skip_step(run: Run, result: StepResult) -> None:
+    """Account for a step whose update was skipped: an fp16 overflow (the scaler lowered its
+    scale; not a bad step), or a non-finite loss or gradient, which ends training after
+    train.max_bad_steps in a row so that one bad batch cannot poison the weights."""
+    p, t = run.progress, run.cfg.train
+    p.skipped_steps += 1
+    if result.loss_finite and run.scaler.is_enabled():
+        run.log.event("fp16_overflow", None, step=result.step, scale=run.scaler.get_scale())
+        return
+    p.bad_steps_in_a_row += 1
+    run.log.event(
+        "nonfinite",
+        None,
+        step=result.step,
+        in_a_row=p.bad_steps_in_a_row,
+        skipped_total=p.skipped_steps,
+    )
+    if p.bad_steps_in_a_row >= t.max_bad_steps:
+        raise TrainingError(
+            f"{p.bad_steps_in_a_row} steps in a row had a non-finite loss or gradient "
+            f"(train.max_bad_steps = {t.max_bad_steps}) at step {result.step}; try a lower "
+            "train.lr or train.clip_grad_norm"
+        )
+
+
+# --- watching: throughput, progress bar, log ---
+
+
+@dataclass
+class Throughput:
+    tokens_per_s: float
+    tokens: int
+    seconds: float
+    padding: float  # share of padded source + target positions
+
+
+class ThroughputMeter:
+    """Target tokens per second and padding over the steps since the last `take`."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self._reset(clock())
+
+    def _reset(self, now: float) -> None:
+        self.start, self.tokens, self.positions, self.real = now, 0, 0.0, 0.0
+
+    def add(self, result: StepResult) -> None:
+        self.tokens += int(result.tokens)
+        self.positions += result.positions
+        self.real += result.real
+
+    def take(self) -> Throughput:
+        """The window's figures; starts a new window."""
+        now = self.clock()
+        seconds = now - self.start
+        out = Throughput(
+            self.tokens / max(seconds, 1e-9),
+            self.tokens,
+            seconds,
+            1.0 - self.real / max(self.positions, 1.0),
+        )
+        self._reset(now)
+        return out
+
+
+class ProgressBar:
+    """tqdm's bar on stderr, its loss, lr, tokens/s and teacher forcing refreshed at most once
+    a second (and at the first step), from the steps since the last refresh."""
+
+    def __init__(self, total: int, initial: int, enabled: bool) -> None:
+        self.bar = tqdm(
+            total=total, initial=initial, desc="train", unit="step", disable=not enabled or None,
+            file=sys.stderr,
+        )  # fmt: skip
+        self.meter = ThroughputMeter(time.monotonic)
+        self.fresh = True
+
+    def update(self, result: StepResult) -> None:
+        self.bar.update(1)
+        self.meter.add(result)
+        if self.fresh or time.monotonic() - self.meter.start >= 1.0:
+            self.fresh = False
+            self.bar.set_postfix(
+                loss=f"{result.loss:.3f}",
+                lr=f"{result.lr:.1e}",
+                tok_s=f"{self.meter.take().tokens_per_s:.0f}",
+                tf=f"{result.teacher_forcing:.2f}",
+            )
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def log_train(run: Run, result: StepResult, window: Throughput) -> None:
+    """The `train` event: the step's loss and schedules, the window's throughput."""
+    run.log.event(
+        "train",
+        None,
+        step=result.step,
+        epoch=run.progress.epoch,
+        loss=result.loss_sum / result.tokens,
+        lr=result.lr,
+        tokens_per_s=round(window.tokens_per_s, 1),
+        tokens=window.tokens,
+        seconds=round(window.seconds, 4),
+        padding=round(window.padding, 4),
+        teacher_forcing=result.teacher_forcing,
+    )
+
+
+# --- validation, checkpoints, the end ---
+
+
+def validate(run: Run) -> bool:
+    """Validate on rank 0 (the others wait); returns True when early stopping says stop.
+    Rank 0 passes its decisions on: stop, and the plateau lr scale."""
+    p, ranks = run.progress, run.ranks
+    p.last_validated = p.step
+    if ranks.world > 1:
+        same = ranks.weights_identical(run.model)
+        run.log.event(
+            "ranks",
+            None if same else f"step {p.step}: the ranks' weights differ",
+            step=p.step,
+            world=ranks.world,
+            weights_identical=same,
+        )
+    stop = validate_main(run) if ranks.is_main else False
+    if ranks.world > 1:
+        scale = p.plateau_scale if ranks.is_main else 0.0
+        stop_sum, p.plateau_scale = ranks.sum([float(stop), scale])
+        stop = stop_sum > 0
+    return stop
+
+
+def validate_main(run: Run) -> bool:
+    """Dev loss, perplexity and BLEU (train.eval_beam); saves weights and a checkpoint, and
+    updates early stopping and the plateau schedule. Returns True when patience ran out."""
+    p, t, model = run.progress, run.cfg.train, run.model
+    loss = dev_loss(model, run.dev_data, t.eval_batch_tokens, run.device)
+    hyps = translate_lines(
+        model, run.tokenizer, run.dev_text.src, search_options(run.cfg.decode, beam=t.eval_beam),
+        batch_tokens=t.eval_batch_tokens, device=run.device,
+    )  # fmt: skip
+    bleu = score(hyps, run.dev_text.tgt).bleu
+    finite = math.isfinite(loss) and all_finite(model)
+    improved = finite and bleu > p.best_bleu
+    if improved:
+        p.best_bleu, p.bad_validations, p.plateau_bad = bleu, 0, 0
+        save_weights(model, run.out / BEST_FILE)
+    else:
+        p.bad_validations += 1
+        p.plateau_bad += 1
+        if t.lr_schedule == "plateau" and p.plateau_bad > t.plateau_patience:
+            p.plateau_scale *= t.plateau_factor
+            p.plateau_bad = 0
+    save_weights(model, run.out / LAST_FILE)
+    checkpoint(run, bleu if finite else None)
+    ppl = math.exp(min(loss, 50.0))
+    # The schedules of the step just trained (the next step may take a new plateau scale).
+    lr, tf = step_schedules(max(p.step, 1), run.cfg, p.plateau_scale)
+    run.log.event(
+        "validation",
+        f"step {p.step} | epoch {p.epoch} | dev loss {loss:.3f} | ppl {ppl:.2f} | "
+        f"BLEU {bleu:.2f}{' *' if improved else ''} | lr {lr:.2e} | tf {tf:.2f} | "
+        f"{run.elapsed():.0f} s",
+        step=p.step,
+        epoch=p.epoch,
+        dev_loss=loss,
+        dev_ppl=ppl,
+        dev_bleu=bleu,
+        best_bleu=p.best_bleu,
+        improved=improved,
+        lr=lr,
+        teacher_forcing=tf,
+        elapsed_s=round(run.elapsed(), 1),
+    )
+    return p.bad_validations >= t.patience
+
+
+def checkpoint(run: Run, bleu: float | None) -> None:
+    """Save weights and the whole training state as checkpoint step-N (rank 0)."""
+    p, t = run.progress, run.cfg.train
+    p.checkpoints.append([p.step, bleu])
+    records = [CheckpointRecord(s, b) for s, b in p.checkpoints]
+    state = {
+        "format_version": STATE_FORMAT_VERSION,
+        "progress": {**asdict(p), "elapsed_s": run.elapsed()},
+        "optimizer": run.optimizer.state_dict(),
+        "rng": rng_state(run.tf_generator),
+    }
+    if run.scaler.is_enabled():
+        state["scaler"] = run.scaler.state_dict()
+    save_checkpoint(run.out, run.model, state, records, t.keep_last, t.keep_best)
+    p.checkpoints = [[r.step, r.bleu] for r in records]
+
+
+def interrupt(run: Run, signum: int) -> None:
+    """Stop on a signal: checkpoint (unless this step was just validated, which saved one),
+    make the weights last.safetensors so the directory translates, and raise."""
+    p = run.progress
+    if p.last_validated != p.step and run.ranks.is_main:
+        save_weights(run.model, run.out / LAST_FILE)
+        checkpoint(run, None)
+    name = signal.Signals(signum).name
+    # The CLI prints this line on stderr; here it goes to the log files only.
+    run.log.event(
+        "interrupted",
+        f"{name} at step {p.step}: checkpoint saved; continue with --resume",
+        echo=False,
+        step=p.step,
+        signal=name,
+    )
+    raise TrainingInterrupted(signum, p.step)
+
+
+def test_with_best(run: Run) -> None:
+    """Translate data.test with the best weights and log its BLEU and chrF."""
+    cfg = run.cfg
+    assert cfg.data.test is not None
+    test_text = read_parallel(cfg.data.test.src, cfg.data.test.tgt)
+    load_weights(run.model, run.out / BEST_FILE, run.device)
+    hyps = translate_lines(
+        run.model, run.tokenizer, test_text.src, search_options(cfg.decode),
+        batch_tokens=cfg.train.eval_batch_tokens, device=run.device,
+    )  # fmt: skip
+    s = score(hyps, test_text.tgt)
+    run.log.event(
+        "test",
+        f"test ({cfg.data.test.src.name}, best weights, beam {cfg.decode.beam}): "
+        f"BLEU {s.bleu:.2f} | chrF {s.chrf:.2f} | {s.bleu_signature}",
+        pairs=len(test_text.src),
+        beam=cfg.decode.beam,
+        skipped_empty=test_text.skipped_empty,
+        **s.as_dict(),
+    )
+
+
+def finish(run: Run, stop_reason: str) -> dict[str, Any]:
+    """The `done` event; returns the run's summary."""
+    p, t = run.progress, run.cfg.train
     summary = {
         "steps": p.step,
         "epochs": min(p.epoch, t.max_epochs),
         "best_dev_bleu": round(p.best_bleu, 2),
         "stop_reason": stop_reason,
         "skipped_nonfinite_steps": p.skipped_steps,
-        "elapsed_s": round(elapsed(), 1),
+        "elapsed_s": round(run.elapsed(), 1),
     }
-    log.event(
+    run.log.event(
         "done",
         f"done: {p.step} steps, {summary['epochs']} epochs, stopped by {stop_reason}, best dev "
-        f"BLEU {p.best_bleu:.2f}, {elapsed() / 60:.1f} min",
+        f"BLEU {p.best_bleu:.2f}, {run.elapsed() / 60:.1f} min",
         **summary,
     )
     return summary

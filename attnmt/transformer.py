@@ -17,9 +17,8 @@ from torch import nn
 from attnmt.attention import MultiHeadAttention, additive_mask
 from attnmt.config import ModelConfig
 from attnmt.data import Batch
-from attnmt.matmul import Linear
-from attnmt.model import AttentionSpec, Seq2Seq, gold_coins
-from attnmt.ops import Dropout, dropout_add, linear_cross_entropy, relu_dropout_linear
+from attnmt.kernels import Dropout, Linear, dropout_add, feed_forward, linear_cross_entropy
+from attnmt.seq2seq import AttentionSpec, Seq2Seq, gold_coins
 from attnmt.tokenizer import PAD_ID
 
 
@@ -66,11 +65,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., d) -> (..., d)."""
-        shape = x.shape
-        # On 2-D rows, so that w_1's output is a tensor of its own, not a view, and
-        # relu_dropout_linear may work on it in place.
-        h = self.w_1(x.reshape(-1, shape[-1]))  # (N, ff)
-        return relu_dropout_linear(h, self.w_2, self.p, self.training).view(shape)  # (..., d)
+        return feed_forward(x, self.w_1, self.w_2, self.p, self.training)
 
 
 class Residual(nn.Module):

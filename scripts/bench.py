@@ -52,12 +52,12 @@ from typing import Any
 
 import torch
 import yaml
+from attnmt.ops import PRECISION_DTYPES
 
 from attnmt import matmul
 from attnmt.checkpoint import load_model_dir
 from attnmt.data import read_lines
 from attnmt.evaluate import SearchOptions, for_decoding, score, translate
-from attnmt.ops import PRECISION_DTYPES
 
 
 def bench_decode(args: argparse.Namespace) -> None:

@@ -6,7 +6,8 @@ import torch
 
 from attnmt.config import ModelConfig
 from attnmt.data import Batch, collate
-from attnmt.model import Seq2Seq, build_model
+from attnmt.model import build_model
+from attnmt.seq2seq import Seq2Seq
 from attnmt.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 V = 23

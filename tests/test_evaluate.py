@@ -29,5 +29,5 @@ def test_translate_lines_one_out_per_line_in_order_whatever_the_batch():
     assert len(small) == len(lines)
     assert small == big
     assert small[1] == "" and small[3] == ""
-    reversed_ = translate_lines(model, tok, lines[::-1], opts, 10_000)
+    reversed_ = translate_lines(model, tok, lines[::-1], opts, batch_tokens=10_000)
     assert reversed_[::-1] == big

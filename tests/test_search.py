@@ -13,8 +13,7 @@ from attnmt.checkpoint import load_model_dir
 from attnmt.config import from_dict
 from attnmt.errors import AttnmtError
 from attnmt.evaluate import SearchOptions, for_decoding, translate
-from attnmt.model import AttentionSpec, Seq2Seq
-from attnmt.ops import PRECISION_DTYPES
+from attnmt.kernels import PRECISION_DTYPES
 from attnmt.search import (
     argmax_rows,
     beam_search,
@@ -23,6 +22,7 @@ from attnmt.search import (
     max_output_lengths,
     topk_rows,
 )
+from attnmt.seq2seq import AttentionSpec, Seq2Seq
 from attnmt.train import train
 
 from conftest import make_pairs, tiny_config, write_lines
@@ -71,14 +71,21 @@ def test_16_bit_decoding_runs_in_that_format(trained, precision):
 
     low.decode_step = recording_step
     for beam in (1, 3):
-        ref = beam_search(model, src, pad, beam, 1.0, 1.5, 5)
-        got = beam_search(low, src, pad, beam, 1.0, 1.5, 5)
+        ref = beam_search(
+            model,
+            src,
+            pad,
+            SearchOptions(beam=beam, length_penalty=1.0, max_len_a=1.5, max_len_b=5),
+        )
+        got = beam_search(
+            low, src, pad, SearchOptions(beam=beam, length_penalty=1.0, max_len_a=1.5, max_len_b=5)
+        )
         same = sum(r[0].tokens == g[0].tokens for r, g in zip(ref, got, strict=True))
         assert same >= 0.75 * len(ref), (beam, same)
         assert all(g[0].score == g[0].score and g[0].score <= 0 for g in got)  # finite, a log-prob
     # (Not beam 1 == greedy: 16-bit logits tie often, and the two break ties differently.)
-    greedy = greedy_search(low, src, pad, 1.5, 5)
-    ref = greedy_search(model, src, pad, 1.5, 5)
+    greedy = greedy_search(low, src, pad, SearchOptions(max_len_a=1.5, max_len_b=5))
+    ref = greedy_search(model, src, pad, SearchOptions(max_len_a=1.5, max_len_b=5))
     assert sum(g.tokens == r.tokens for g, r in zip(greedy, ref, strict=True)) >= 0.75 * len(ref)
     assert seen and set(seen) == {dtype}
 
@@ -93,8 +100,10 @@ def test_max_output_lengths_and_length_penalty():
 
 def test_beam_1_is_greedy(trained):
     model, _, src, pad = trained
-    greedy = greedy_search(model, src, pad, 1.5, 5)
-    beam1 = beam_search(model, src, pad, 1, 0.0, 1.5, 5)
+    greedy = greedy_search(model, src, pad, SearchOptions(max_len_a=1.5, max_len_b=5))
+    beam1 = beam_search(
+        model, src, pad, SearchOptions(beam=1, length_penalty=0.0, max_len_a=1.5, max_len_b=5)
+    )
     assert [h.tokens for h in greedy] == [b[0].tokens for b in beam1]
     for g, b in zip(greedy, beam1, strict=True):
         assert b[0].score == pytest.approx(g.score, abs=1e-4)
@@ -109,14 +118,19 @@ def test_greedy_drops_finished_rows_late_without_changing_them(trained, share, m
     model, _, src, pad = trained
     src, pad = src.repeat(3, 1), pad.repeat(3, 1)  # 36 rows, so 1/4 is more than one
     monkeypatch.setattr(search, "COMPACT_SHARE", 1_000_000)
-    alone = [greedy_search(model, src[i : i + 1], pad[i : i + 1], 1.5, 5)[0] for i in range(12)]
+    alone = [
+        greedy_search(
+            model, src[i : i + 1], pad[i : i + 1], SearchOptions(max_len_a=1.5, max_len_b=5)
+        )[0]
+        for i in range(12)
+    ]
     monkeypatch.setattr(search, "COMPACT_SHARE", share)
     dropped: list[int] = []
     select = model.select_memory
     monkeypatch.setattr(
         model, "select_memory", lambda m, idx: dropped.append(len(idx)) or select(m, idx)
     )
-    batch = greedy_search(model, src, pad, 1.5, 5, AttentionSpec())
+    batch = greedy_search(model, src, pad, SearchOptions(attention=AttentionSpec(), max_len_b=5))
     assert [h.tokens for h in batch] == [h.tokens for h in alone] * 3
     assert [h.ended for h in batch] == [h.ended for h in alone] * 3
     for h, a in zip(batch, alone * 3, strict=True):
@@ -127,7 +141,7 @@ def test_greedy_drops_finished_rows_late_without_changing_them(trained, share, m
         assert not dropped  # everything decoded to the end of the longest
     else:
         assert dropped and 36 - dropped[0] >= max(1, 36 // share)
-    unscored = greedy_search(model, src, pad, 1.5, 5, scores=False)
+    unscored = greedy_search(model, src, pad, SearchOptions(max_len_b=5, scores=False))
     assert [h.tokens for h in unscored] == [h.tokens for h in batch]
     assert all(h.score != h.score for h in unscored)  # NaN: not computed
 
@@ -149,6 +163,7 @@ def reference_beam(
     """One sentence, plain lists: the same rules as the batched search, written simply."""
     live = [([], 0.0)]
     finished: list[tuple[list[int], float]] = []
+    first = None  # where a 1-best search stops, its best: the n-best list's head
     for t in range(limit):
         cands = []
         for tokens, score in live:
@@ -162,16 +177,23 @@ def reference_beam(
         live = [([*tokens, v], score) for score, tokens, v in cands if v != model.eos_id][:K]
         if t + 1 >= limit:
             finished += [(tokens, score / length_penalty(t + 1, alpha)) for tokens, score in live]
+        if first is None and (t + 1 >= limit or (cands[0][2] == model.eos_id and finished)):
+            first = max(finished, key=lambda f: f[1])
+        if t + 1 >= limit or (cands[0][2] == model.eos_id and len(finished) >= n_best):
             break
-        if cands[0][2] == model.eos_id and len(finished) >= n_best:
-            break
-    return sorted(finished, key=lambda f: -f[1])[:n_best]
+    rest = sorted((f for f in finished if f is not first), key=lambda f: -f[1])
+    return [first, *rest][:n_best]
 
 
 @pytest.mark.parametrize(("K", "alpha"), [(3, 1.0), (4, 0.0)])
 def test_batched_beam_equals_reference(trained, K, alpha):
     model, _, src, pad = trained
-    batched = beam_search(model, src, pad, K, alpha, 1.5, 5, n_best=K)
+    batched = beam_search(
+        model,
+        src,
+        pad,
+        SearchOptions(beam=K, length_penalty=alpha, max_len_a=1.5, max_len_b=5, n_best=K),
+    )
     limits = max_output_lengths(pad, 1.5, 5)
     for i in range(0, src.size(0), 3):
         n = int((~pad[i]).sum())
@@ -185,7 +207,7 @@ def test_batched_beam_equals_reference(trained, K, alpha):
 
 def test_cached_and_uncached_greedy_agree(trained):
     model, _, src, pad = trained
-    cached = greedy_search(model, src, pad, 1.5, 5)
+    cached = greedy_search(model, src, pad, SearchOptions(max_len_a=1.5, max_len_b=5))
     limits = max_output_lengths(pad, 1.5, 5)
     for i in range(0, src.size(0), 2):
         n = int((~pad[i]).sum())
@@ -299,7 +321,9 @@ def test_attention_weights_follow_the_hypothesis(trained):
     model, tok, _, _ = trained
     lines, _ = make_pairs(4, 12)
     for beam in (1, 3):
-        out = translate(model, tok, lines, SearchOptions(beam=beam, attention=AttentionSpec()), 100)
+        out = translate(
+            model, tok, lines, SearchOptions(beam=beam, attention=AttentionSpec()), batch_tokens=100
+        )
         for r in out:
             t = r[0]
             assert t.attention is not None
@@ -342,8 +366,10 @@ def test_beam_keeps_the_best_hypothesis_on_a_confident_model(K):
     model = ScriptedModel([5, 6, 7, 8, 9, 10, 11, 5]).eval()
     src = torch.tensor([[4, 4, 4, 3]])
     pad = src == 0
-    greedy = greedy_search(model, src, pad, 3.0, 5)[0]
-    best = beam_search(model, src, pad, K, 1.0, 3.0, 5)[0][0]
+    greedy = greedy_search(model, src, pad, SearchOptions(max_len_a=3.0, max_len_b=5))[0]
+    best = beam_search(
+        model, src, pad, SearchOptions(beam=K, length_penalty=1.0, max_len_a=3.0, max_len_b=5)
+    )[0][0]
     assert greedy.tokens == [5, 6, 7, 8, 9, 10, 11, 5]
     assert best.tokens == greedy.tokens and best.ended
 
@@ -361,3 +387,17 @@ def test_topk_rows_and_argmax_rows_equal_torch(L):
     assert torch.equal(x.gather(1, idx), values)
     assert torch.equal(argmax_rows(x), x.argmax(dim=1))
     assert int(argmax_rows(x)[1]) == 5
+
+
+@pytest.mark.parametrize("n_best", [2, 4])
+def test_n_best_lists_start_with_the_1_best(trained, n_best):
+    """A longer search for more hypotheses may find one scoring higher; the 1-best answer
+    still heads the list, and the others follow by score."""
+    model, _, src, pad = trained
+    options = SearchOptions(beam=4, max_len_b=5)
+    one = beam_search(model, src, pad, options)
+    many = beam_search(model, src, pad, SearchOptions(beam=4, max_len_b=5, n_best=n_best))
+    for a, b in zip(one, many, strict=True):
+        assert len(a) == 1 and len(b) == n_best
+        assert b[0].tokens == a[0].tokens and b[0].score == pytest.approx(a[0].score, abs=1e-5)
+        assert [h.score for h in b[1:]] == sorted((h.score for h in b[1:]), reverse=True)

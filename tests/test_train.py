@@ -19,8 +19,9 @@ from attnmt.checkpoint import latest_checkpoint, load_model_dir, load_train_stat
 from attnmt.config import from_dict
 from attnmt.errors import CheckpointError, ConfigError, TrainingError
 from attnmt.evaluate import SearchOptions, translate_lines
-from attnmt.ops import cpu_matmul_hardware
-from attnmt.train import ONEDNN_CACHE_CAPACITY, train
+from attnmt.kernels import cpu_matmul_hardware
+from attnmt.kernels.matmul import ONEDNN_CACHE_CAPACITY
+from attnmt.train import train
 from attnmt.transformer import TransformerSeq2Seq
 
 from conftest import tiny_config, write_config
@@ -197,9 +198,15 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path: Path, corpus)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM
-    assert "SIGTERM at step" in err and "checkpoint saved" in err
+    assert "SIGTERM at step" in err and err.count("checkpoint saved") == 1, err
     step = json.loads((out / "checkpoints" / "latest.json").read_text())["step"]
     assert step >= 3
+    # No validation ran, so there is no best yet: the interrupt's weights are last, which
+    # translate takes by default then, and step-N names the checkpoint.
+    assert not (out / "best.safetensors").exists()
+    for weights in ("best", "last", f"step-{step}"):
+        _, tok, model = load_model_dir(out, weights)
+        assert len(translate_lines(model, tok, ["w1 w2"], SearchOptions(), batch_tokens=100)) == 1
     proc = start_training(cfg, out, "--resume", "--set", f"train.max_steps={step + 2}")
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
@@ -252,7 +259,12 @@ def test_kill_9_never_breaks_the_model_directory(tmp_path: Path, corpus):
         assert load_train_state(state)["progress"]["step"] >= 1
         _, tok, model = load_model_dir(out)  # best.safetensors: complete and loadable
         assert (
-            len(translate_lines(model, tok, ["w1 w2", "", "w3"], SearchOptions(beam=2), 100)) == 3
+            len(
+                translate_lines(
+                    model, tok, ["w1 w2", "", "w3"], SearchOptions(beam=2), batch_tokens=100
+                )
+            )
+            == 3
         )
     assert mid_save >= 3, f"only {mid_save} of {kills} kills landed inside a save"
     print(f"{kills} kills, {mid_save} left a save half-written")
@@ -289,10 +301,19 @@ def test_low_precision_without_cpu_hardware_is_flagged(
     assert ("slower than fp32" in log_text) == (not hardware)
 
 
-def test_cpu_matmul_hardware_answers_for_each_precision():
+def test_cpu_matmul_hardware_answers_from_the_cpu_probes(monkeypatch):
+    probes = {"_is_amx_tile_supported": False, "_is_avx512_bf16_supported": False,
+              "_is_amx_fp16_supported": False}  # fmt: skip
+    for name, value in probes.items():
+        monkeypatch.setattr(torch.cpu, name, lambda v=value: v, raising=False)
     assert cpu_matmul_hardware("fp32") is True
-    assert isinstance(cpu_matmul_hardware("bf16"), bool)
-    assert isinstance(cpu_matmul_hardware("fp16"), bool)
+    assert not cpu_matmul_hardware("bf16") and not cpu_matmul_hardware("fp16")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert cpu_matmul_hardware("bf16") and not cpu_matmul_hardware("fp16")
+    monkeypatch.setattr(torch.cpu, "_is_amx_fp16_supported", lambda: True)
+    assert cpu_matmul_hardware("fp16")
+    monkeypatch.delattr(torch.cpu, "_is_amx_fp16_supported")  # an older torch: no probe
+    assert not cpu_matmul_hardware("fp16")
 
 
 def test_users_onednn_cache_setting_wins(tmp_path: Path, corpus, monkeypatch):
@@ -315,3 +336,147 @@ def test_compiled_step_matches_eager(tmp_path: Path, corpus):
         for d in ("eager", "compiled")
     ]
     assert losses[0] == pytest.approx(losses[1], rel=1e-4)
+
+
+# --- the loop's parts, one at a time ---
+
+
+@pytest.fixture
+def run(tmp_path: Path, corpus):
+    """A training run set up (data, tokenizer, model, optimizer) but not yet started."""
+    cfg = from_dict(config(corpus, eval_every=1000))
+    out = tmp_path / "m"
+    train_mod.prepare_output_dir(out, overwrite=False, resume=False)
+    log = train_mod.RunLog(out, quiet=True)
+    yield train_mod.setup(cfg, out, False, train_mod.distributed.Ranks(), torch.device("cpu"), log)
+    log.close()
+
+
+def weights_of(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_setup_builds_a_fresh_run(run):
+    assert run.progress.step == 0 and run.progress.epoch == 1
+    assert run.step_model is run.model and run.model.training
+    assert len(run.train_data.src) == 300 and len(run.dev_data.src) == 20
+    assert (run.out / "config.yaml").is_file() and (run.out / "spm.model").is_file()
+    assert [e["event"] for e in events(run.out)] == ["data", "model"]
+
+
+def test_train_step_updates_and_reports(run):
+    idx = run.sampler.epoch(1)[0]
+    before = weights_of(run.model)
+    result = run_mod_step(run, idx)
+    assert result.updated and result.step == 1 and not result.signalled
+    assert result.tokens == sum(len(run.train_data.tgt[i]) + 1 for i in idx)
+    assert 0 < result.real <= result.positions
+    assert math_isclose(result.loss, result.loss_sum / result.tokens)
+    assert (result.lr, result.teacher_forcing) == train_mod.step_schedules(1, run.cfg, 1.0)
+    assert not torch.equal(before, weights_of(run.model))
+    assert run.progress.step == 0, "the loop, not the step, counts steps"
+    assert train_mod.train_step(run, idx, True).signalled
+
+
+def run_mod_step(run, idx):
+    return train_mod.train_step(run, idx, False)
+
+
+def math_isclose(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-9 * max(1.0, abs(b))
+
+
+def test_a_nonfinite_step_changes_nothing_and_is_counted(run, monkeypatch):
+    idx = run.sampler.epoch(1)[0]
+    before = weights_of(run.model)
+    loss = run.model.loss
+    monkeypatch.setattr(run, "step_model", lambda *a: (loss(*a)[0] * float("nan"), 0))
+    result = train_mod.train_step(run, idx, False)
+    assert not result.updated and not result.loss_finite
+    assert torch.equal(before, weights_of(run.model))
+    for n in range(1, run.cfg.train.max_bad_steps):
+        train_mod.skip_step(run, result)
+        assert run.progress.bad_steps_in_a_row == n and run.progress.skipped_steps == n
+    with pytest.raises(TrainingError, match="steps in a row had a non-finite loss"):
+        train_mod.skip_step(run, result)
+    assert [e["in_a_row"] for e in events(run.out) if e["event"] == "nonfinite"][-1] == 10
+
+
+def test_schedules_of_a_step_share_its_number(run):
+    cfg = run.cfg  # linear teacher forcing 0.9 -> 0.5 over 10 steps; warmup 2
+    lr1, tf1 = train_mod.step_schedules(1, cfg, 1.0)
+    assert tf1 == pytest.approx(0.9) and lr1 == pytest.approx(cfg.train.lr / 2)
+    assert train_mod.step_schedules(11, cfg, 1.0)[1] == pytest.approx(0.5)
+
+
+def test_throughput_meter_windows():
+    now = [10.0]
+    meter = train_mod.ThroughputMeter(lambda: now[0])
+    result = train_mod.StepResult(1, 5.0, 100, 300, 240, 1e-3, 1.0, True, True, False)
+    meter.add(result)
+    meter.add(result)
+    now[0] = 12.0
+    w = meter.take()
+    assert (w.tokens, w.seconds, w.tokens_per_s) == (200, 2.0, 100.0)
+    assert w.padding == pytest.approx(0.2)
+    now[0] = 13.0
+    assert meter.take().tokens == 0  # a new window
+
+
+def test_progress_bar_refreshes_its_numbers_every_second(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(train_mod.time, "monotonic", lambda: now[0])
+    bar = train_mod.ProgressBar(100, 0, enabled=True)
+    shown = []
+    monkeypatch.setattr(bar.bar, "set_postfix", lambda **kw: shown.append(kw["loss"]))
+    for step in range(1, 6):
+        now[0] += 0.4
+        bar.update(
+            train_mod.StepResult(step, step * 100.0, 100, 1, 1, 1e-3, 1.0, True, True, False)
+        )
+    bar.close()
+    # step 1 at once, then whenever a second has passed: steps 4 (1.6 s) and none after yet
+    assert shown == ["1.000", "4.000"]
+
+
+def test_validate_saves_weights_checkpoint_and_logs_the_trained_steps_ratio(run):
+    run.progress.step = 4
+    assert not train_mod.validate(run)
+    assert (run.out / "best.safetensors").is_file() and (run.out / "last.safetensors").is_file()
+    assert latest_checkpoint(run.out)[0].name == "step-00000004.safetensors"
+    event = events(run.out)[-1]
+    assert event["event"] == "validation" and event["step"] == 4
+    assert event["teacher_forcing"] == pytest.approx(train_mod.step_schedules(4, run.cfg, 1.0)[1])
+    run.progress.bad_validations = run.cfg.train.patience - 1
+    run.progress.best_bleu = 1000.0
+    assert train_mod.validate(run), "patience ran out: stop"
+
+
+def test_interrupt_saves_last_weights_and_raises(run):
+    run.progress.step = 3
+    with pytest.raises(train_mod.TrainingInterrupted) as e:
+        train_mod.interrupt(run, signal.SIGINT)
+    assert (e.value.signum, e.value.step) == (signal.SIGINT, 3)
+    assert (run.out / "last.safetensors").is_file()
+    assert latest_checkpoint(run.out)[0].name == "step-00000003.safetensors"
+    assert "SIGINT at step 3" in (run.out / "train.log").read_text()
+
+
+def test_test_with_best_and_finish(run, corpus):
+    run.cfg.data.test = run.cfg.data.dev
+    train_mod.validate(run)
+    train_mod.test_with_best(run)
+    test = events(run.out)[-1]
+    assert test["event"] == "test" and test["pairs"] == 20 and "nrefs:1" in test["bleu_signature"]
+    summary = train_mod.finish(run, "max_steps")
+    assert summary["stop_reason"] == "max_steps" and events(run.out)[-1]["event"] == "done"
+
+
+def test_model_files_take_the_umask_mode(tmp_path: Path, corpus):
+    old = os.umask(0o022)
+    try:
+        train(from_dict(config(corpus, max_steps=2, eval_every=2)), tmp_path / "m", quiet=True)
+    finally:
+        os.umask(old)
+    for name in ("best.safetensors", "config.yaml", "spm.model", "checkpoints/latest.json"):
+        assert (tmp_path / "m" / name).stat().st_mode & 0o777 == 0o644, name

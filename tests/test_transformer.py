@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from attnmt.model import AttentionSpec, sequence_loss
+from attnmt.seq2seq import AttentionSpec, sequence_loss
 from attnmt.transformer import sinusoid_table
 
 from models import V, random_batch, stepwise_logits, tiny_model

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnmt import matmul
-from attnmt.ops import linear_cross_entropy, relu_dropout_linear
+from attnmt.kernels import matmul
+from attnmt.kernels.ops import linear_cross_entropy, relu_dropout_linear
 
 from models import random_batch, tiny_model
 
@@ -20,7 +20,7 @@ needs_onednn = pytest.mark.skipif(
 def onednn(monkeypatch: pytest.MonkeyPatch):
     """oneDNN for every product, however small (the tests' dims are far below the threshold)."""
     monkeypatch.setattr(matmul, "ONEDNN_MIN_WORK", 0)
-    with matmul.backend("onednn") as name:
+    with matmul.matmul_backend("onednn") as name:
         assert name == "onednn"
         yield
 
@@ -82,9 +82,9 @@ def test_blas_and_small_or_non_fp32_products_are_the_plain_ops(monkeypatch):
     layer = matmul.Linear(8, 6)
     x = torch.randn(4, 8)
     calls = calls_onednn(monkeypatch)
-    with matmul.backend("blas"):
+    with matmul.matmul_backend("blas"):
         assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
-    with matmul.backend("onednn"):  # 4 x 8 x 6 is far below ONEDNN_MIN_WORK
+    with matmul.matmul_backend("onednn"):  # 4 x 8 x 6 is far below ONEDNN_MIN_WORK
         assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
         monkeypatch.setattr(matmul, "ONEDNN_MIN_WORK", 0)
         x64, w64 = x.double(), layer.weight.double()
@@ -125,7 +125,7 @@ def test_relu_dropout_linear_with_onednn(onednn, bias: bool):
     torch.manual_seed(5)
     fast = relu_dropout_linear(h * 1.0, layer, 0.3, True)  # a fresh tensor, as it needs
     fast_grads = torch.autograd.grad(fast.sum(), [h, *params])
-    with matmul.backend("blas"):
+    with matmul.matmul_backend("blas"):
         torch.manual_seed(5)
         plain = relu_dropout_linear(h * 1.0, layer, 0.3, True)
         plain_grads = torch.autograd.grad(plain.sum(), [h, *params])
@@ -143,7 +143,7 @@ def test_model_loss_and_gradients_match_blas(onednn, monkeypatch, arch: str):
     loss, n = model.loss(batch, 1.0, 0.1)
     grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
     assert calls
-    with matmul.backend("blas"):
+    with matmul.matmul_backend("blas"):
         ref, ref_n = model.loss(batch, 1.0, 0.1)
         ref_grads = torch.autograd.grad(ref, list(model.parameters()), allow_unused=True)
     assert n == ref_n
@@ -165,10 +165,22 @@ def test_auto_picks_onednn_only_for_non_intel_avx512():
     assert not matmul.prefers_onednn(AMD_AVX2)
     assert not matmul.prefers_onednn(INTEL)
     assert not matmul.prefers_onednn("")
-    expected = "onednn" if matmul.onednn_is_faster() else "blas"
-    with matmul.backend("auto") as name:
-        assert name == expected == matmul.active()
-    with matmul.backend("blas"):
+    for faster, expected in ((True, "onednn"), (False, "blas")):
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(matmul, "onednn_is_faster", lambda f=faster: f)
+            if expected == "onednn" and not torch.backends.mkldnn.is_available():
+                continue
+            with matmul.matmul_backend("auto") as name:
+                assert name == expected == matmul.active()
+
+
+def test_the_backend_is_scoped():
+    before = matmul.active()
+    with matmul.matmul_backend("onednn"), matmul.matmul_backend("blas"):
         assert matmul.active() == "blas"
+    assert matmul.active() == before
+    with pytest.raises(RuntimeError), matmul.matmul_backend("onednn"):
+        raise RuntimeError("a failure inside the block")
+    assert matmul.active() == before
     with pytest.raises(ValueError, match="auto, blas, onednn"):
         matmul.resolve("mkl")

@@ -1,11 +1,11 @@
 """Training-speed building blocks that compute the same thing as the plain PyTorch ops, faster
-on CPU: dropout with a cheaper mask, and the output projection fused with label-smoothed
-cross-entropy. On other devices they fall back to the plain ops (which are fast there).
+on CPU: dropout with a cheaper mask, the feed-forward block's ReLU and dropout fused into its
+second matmul, and the output projection fused with label-smoothed cross-entropy. On other
+devices they fall back to the plain ops (which are fast there).
 
-Why (profile of a Multi30k Transformer step on 2 CPU threads, torch 2.13): `bernoulli_`, the
-mask behind `F.dropout`, took about a quarter of the step, more than any matmul but the output
-projection; and the output projection + log-softmax + its backward wrote and re-read a
-(tokens × vocabulary) float tensor five times (about 130 MB each for a 4k-token batch).
+Why: `bernoulli_`, the mask behind `F.dropout`, is slow on CPU, and the output projection +
+log-softmax + its backward write and re-read a (tokens × vocabulary) float tensor five times.
+Their gains on whole training steps: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -19,34 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnmt import matmul
+from attnmt.kernels import matmul
 
 
 def _use_plain_ops(x: torch.Tensor) -> bool:
     """Off the CPU the plain ops are fast; under torch.compile the compiler fuses them itself
     (and our NumPy draws would break its graph)."""
     return x.device.type != "cpu" or torch.compiler.is_compiling()
-
-
-# The number formats a run computes in (train.precision, decode.precision).
-PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# The CPU matmul instructions that cpu_matmul_hardware looks for, as messages name them.
-CPU_MATMUL_INSTRUCTIONS = {"fp32": "", "bf16": "AMX or AVX512-BF16", "fp16": "AMX-FP16"}
-
-
-def cpu_matmul_hardware(precision: str) -> bool:
-    """Whether this CPU has matmul instructions for `precision` ('bf16': AMX or AVX512-BF16;
-    'fp16': AMX-FP16; 'fp32': always). Without them torch emulates the type, far slower than
-    fp32 (a bf16 matmul ran below 2 GFLOP/s on an AVX2-only CPU; with AMX, 3-5x fp32)."""
-    checks = {
-        "fp32": (),
-        "bf16": ("_is_amx_tile_supported", "_is_avx512_bf16_supported"),
-        "fp16": ("_is_amx_fp16_supported",),
-    }[precision]
-    if not checks:
-        return True
-    # torch.cpu's probes are private; a torch without them is treated as lacking the hardware.
-    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks)
 
 
 # --- dropout ---
@@ -215,6 +194,17 @@ def relu_dropout_linear(
     keep = keep_mask(tuple(h.shape), p)  # (N, d_in)
     out = _ReluDropoutLinear.apply(h, linear.weight, linear.bias, keep, 1.0 / (1.0 - p))
     return cast(torch.Tensor, out)
+
+
+def feed_forward(
+    x: torch.Tensor, w_1: nn.Linear, w_2: nn.Linear, p: float, training: bool
+) -> torch.Tensor:
+    """FFN(x) = W_2 dropout(ReLU(W_1 x)) for x (..., d) -> (..., d), with relu_dropout_linear."""
+    shape = x.shape
+    # On 2-D rows, so that W_1's output is a tensor of its own, not a view, and
+    # relu_dropout_linear may work on it in place.
+    h = w_1(x.reshape(-1, shape[-1]))  # (N, ff)
+    return relu_dropout_linear(h, w_2, p, training).view(shape)  # (..., d)
 
 
 class Dropout(nn.Module):

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnmt.ops import (
+from attnmt.kernels.ops import (
     Dropout,
     dropout,
     dropout_scale,

@@ -2,26 +2,21 @@
 or oneDNN. The result is the same up to float rounding (summation order); only speed differs.
 
 Why: torch sends every fp32 CPU matmul to MKL, and MKL's sgemm runs AVX2 kernels on AMD CPUs
-even where they have AVX-512 (on a Zen 5 core it reached 100-110 GFLOP/s, the AVX2 rate, with
-MKL_ENABLE_INSTRUCTIONS=AVX512 or without). oneDNN, which torch also ships, chooses kernels by
-instruction set. On a 2-core AMD EPYC with AVX-512 (Zen 5, torch 2.13.0) oneDNN ran the model's
-linear layers 2.0-2.3x faster than MKL from 64 rows up (1 thread: 238-244 against 100-110
-GFLOP/s) and their backward products 1.4-2.3x faster. On an AVX2-only EPYC oneDNN ran -7 % to
-+13 % of MKL's rate at the training shapes and mostly slower at decoding ones, and on Intel CPUs
-MKL uses AVX-512 itself (README, "Speed"): there `auto` keeps the BLAS. A call into oneDNN
-costs about 10 µs more than one into MKL, so products smaller than ONEDNN_MIN_WORK
-multiply-adds (a decoding step's few-row products) stay with the BLAS.
+even where they have AVX-512; oneDNN, which torch also ships, chooses kernels by instruction set.
+`auto` picks oneDNN on non-Intel x86 CPUs with AVX-512 and the BLAS elsewhere. A call into
+oneDNN costs more than one into MKL, so products smaller than ONEDNN_MIN_WORK multiply-adds (a
+decoding step's few-row products) stay with the BLAS. Rates per CPU: docs/benchmarks.md.
 
-The choice is a process-wide setting, like torch.set_num_threads: the CLI sets it once from
-`train.matmul` or `--matmul` before building anything; library code reads it through `linear`
-and `mm`, which fall back to the plain ops off the CPU, outside fp32, under autocast and under
-torch.compile.
+The backend is chosen for a block of work with `matmul_backend(name)` (training and
+translation each open one) and restored after it; `linear` and `mm` read it, and fall back to
+the plain ops off the CPU, outside fp32, under autocast and under torch.compile.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
@@ -32,11 +27,39 @@ from torch import nn
 
 BACKENDS = ("auto", "blas", "onednn")
 # Below this many multiply-adds (M * K * N) a product stays with the BLAS: oneDNN's fixed cost
-# per call (about 10 µs here) outweighs its speed (1 thread: 16 x 256 x 256 ran as fast in
-# both; at 8 x 256 x 256 MKL was 1.35x faster, at 64 x 256 x 256 oneDNN 1.6x).
+# per call outweighs its speed (docs/benchmarks.md).
 ONEDNN_MIN_WORK = 1 << 20
+# oneDNN kernels kept for low-precision and oneDNN fp32 CPU matmuls (limit_onednn_kernel_cache).
+ONEDNN_CACHE_CAPACITY = 64
 
-_active = "blas"  # resolved: "blas" or "onednn"
+# The number formats a run computes in (train.precision, decode.precision).
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The CPU matmul instructions that cpu_matmul_hardware looks for, as messages name them.
+CPU_MATMUL_INSTRUCTIONS = {"fp32": "", "bf16": "AMX or AVX512-BF16", "fp16": "AMX-FP16"}
+
+_active = "blas"  # inside matmul_backend(): "blas" or "onednn"
+
+
+def cpu_matmul_hardware(precision: str) -> bool:
+    """Whether this CPU has matmul instructions for `precision` ('bf16': AMX or AVX512-BF16;
+    'fp16': AMX-FP16; 'fp32': always). Without them torch emulates the type, far slower than
+    fp32."""
+    checks = {
+        "fp32": (),
+        "bf16": ("_is_amx_tile_supported", "_is_avx512_bf16_supported"),
+        "fp16": ("_is_amx_fp16_supported",),
+    }[precision]
+    if not checks:
+        return True
+    # torch.cpu's probes are private; a torch without them is treated as lacking the hardware.
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks)
+
+
+def limit_onednn_kernel_cache() -> None:
+    """Cap oneDNN's cache of compiled kernels (default 1,024, one per shape) before oneDNN first
+    runs: batches come in hundreds of shapes, and the full cache took a bf16 training run from
+    1.7 to 5.6 GiB while a small one ran as fast. A user's own setting wins."""
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
 
 
 def prefers_onednn(cpuinfo: str) -> bool:
@@ -74,26 +97,22 @@ def resolve(name: str) -> str:
     return name
 
 
-def set_backend(name: str) -> str:
-    """Use `name` (auto | blas | onednn) from now on in this process; returns the one in use."""
+@contextlib.contextmanager
+def matmul_backend(name: str) -> Iterator[str]:
+    """Use `name` (auto | blas | onednn) inside the block, then the previous backend again;
+    yields the one in use ('blas' or 'onednn')."""
     global _active
+    before = _active
     _active = resolve(name)
-    return _active
+    try:
+        yield _active
+    finally:
+        _active = before
 
 
 def active() -> str:
     """The backend in use: 'blas' or 'onednn'."""
     return _active
-
-
-@contextlib.contextmanager
-def backend(name: str) -> Iterator[str]:
-    """Use `name` inside the block, then the previous backend again."""
-    before = _active
-    try:
-        yield set_backend(name)
-    finally:
-        set_backend(before)
 
 
 def use_onednn(x: torch.Tensor, work: int) -> bool:

@@ -1,5 +1,7 @@
-"""The teacher-forced recurrence of the rnn decoder (one GRU layer, Bahdanau attention) as one
-autograd function with hand-written backpropagation through time.
+"""The rnn model's recurrences as autograd functions with hand-written backpropagation through
+time: the teacher-forced decoder (one GRU layer, Bahdanau attention) and the one-layer
+bidirectional encoder. Each equals its plain PyTorch form (tests/test_kernels_recurrence.py);
+its measured gain is in docs/benchmarks.md.
 
 Why: stepped through autograd, every decoder step's backward ran its own weight-gradient
 matmuls (K = batch, 64 rows: the least efficient shape there is), accumulated them into the
@@ -22,9 +24,15 @@ torch.nn.GRU's gate layout r, z, n):
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from attnmt import matmul
+import torch
+from torch import nn
+
+from attnmt.kernels import matmul
+
+if TYPE_CHECKING:
+    from attnmt.attention import AdditiveAttention
 
 Tensor = torch.Tensor
 
@@ -219,13 +227,8 @@ def gru_attention_recurrence(
     proj_keys: Tensor,
     values: Tensor,
     pad_mask: Tensor,
-    w_q: Tensor,
-    b_q: Tensor,
-    v: Tensor,
-    w_ih: Tensor,
-    b_ih: Tensor,
-    w_hh: Tensor,
-    b_hh: Tensor,
+    attention: AdditiveAttention,
+    gru: nn.GRU,
 ) -> tuple[Tensor, Tensor]:
     """Run the decoder over all T gold inputs: the GRU outputs s_1..s_T and contexts c_1..c_T.
 
@@ -233,20 +236,23 @@ def gru_attention_recurrence(
         embs: (B, T, E) embedded inputs y_0..y_{T-1}; h0: (B, D) initial state.
         proj_keys: (B, S, A) W_k keys; values: (B, S, D') encoder states; pad_mask: (B, S)
             bool, True at padding.
-        w_q (A, D), b_q (A): the query layer; v (1, A): the energy layer.
-        w_ih (3D, E + D'), b_ih, w_hh (3D, D), b_hh: torch.nn.GRU's layer-0 weights.
+        attention: the additive attention (its query and energy layers).
+        gru: a one-layer torch.nn.GRU with input [E y; c] (E + D') and state D.
     Returns:
         outs (T, B, D) and contexts (T, B, D'), time-major.
 
     Under autocast the matmuls run in its dtype and everything else in fp32, as in
-    ops.linear_cross_entropy.
+    kernels.ops.linear_cross_entropy.
     """
+    assert gru.num_layers == 1 and not gru.bidirectional
+    w_q, b_q = attention.query_layer.weight, attention.query_layer.bias
     dev = embs.device.type
     mm_dtype = _autocast_matmul_dtype(dev)
     with torch.autocast(dev, enabled=False):
         outs, ctxs = _GRUAttentionRecurrence.apply(
-            embs, h0, proj_keys, values, pad_mask, w_q, b_q, v, w_ih, b_ih, w_hh, b_hh, mm_dtype
-        )
+            embs, h0, proj_keys, values, pad_mask, w_q, b_q, attention.energy_layer.weight,
+            gru.weight_ih_l0, gru.bias_ih_l0, gru.weight_hh_l0, gru.bias_hh_l0, mm_dtype,
+        )  # fmt: skip
     return outs, ctxs
 
 
@@ -342,19 +348,21 @@ class _BiGRURecurrence(torch.autograd.Function):
         )
 
 
-def bigru_recurrence(
-    x: Tensor, keep: Tensor, w_ih: Tensor, b_ih: Tensor, w_hh: Tensor, b_hh: Tensor
-) -> tuple[Tensor, Tensor]:
-    """A one-layer bidirectional GRU over padded sentences, as torch.nn.GRU over packed ones.
+def bigru_recurrence(x: Tensor, keep: Tensor, gru: nn.GRU) -> tuple[Tensor, Tensor]:
+    """A one-layer bidirectional torch.nn.GRU over padded sentences, as it runs over packed ones.
 
     Args:
         x: (B, S, E) inputs; keep: (B, S) bool, True at real tokens (a prefix of each row).
-        w_ih (2, 3H, E), b_ih (2, 3H), w_hh (2, 3H, H), b_hh (2, 3H): the forward and the
-            backward direction's torch.nn.GRU weights, stacked.
+        gru: nn.GRU(E, H, num_layers=1, bidirectional=True, batch_first=True).
     Returns:
         states (B, S, 2H) (forward ++ backward, 0 at padding) and the final summary (B, 2H):
         the forward state at the last real token ++ the backward state at the first.
     """
+    assert gru.num_layers == 1 and gru.bidirectional
+    w_ih = torch.stack([gru.weight_ih_l0, gru.weight_ih_l0_reverse])  # (2, 3H, E)
+    b_ih = torch.stack([gru.bias_ih_l0, gru.bias_ih_l0_reverse])  # (2, 3H)
+    w_hh = torch.stack([gru.weight_hh_l0, gru.weight_hh_l0_reverse])  # (2, 3H, H)
+    b_hh = torch.stack([gru.bias_hh_l0, gru.bias_hh_l0_reverse])  # (2, 3H)
     dev = x.device.type
     mm_dtype = _autocast_matmul_dtype(dev)
     with torch.autocast(dev, enabled=False):
