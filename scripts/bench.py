@@ -52,17 +52,20 @@ from typing import Any
 
 import torch
 import yaml
-from attnmt.ops import PRECISION_DTYPES
 
-from attnmt import matmul
 from attnmt.checkpoint import load_model_dir
 from attnmt.data import read_lines
 from attnmt.evaluate import SearchOptions, for_decoding, score, translate
+from attnmt.kernels import PRECISION_DTYPES, matmul
 
 
 def bench_decode(args: argparse.Namespace) -> None:
+    with matmul.matmul_backend(args.matmul) as backend:
+        decode_models(args, backend)
+
+
+def decode_models(args: argparse.Namespace, backend: str) -> None:
     torch.set_num_threads(args.threads)
-    backend = matmul.set_backend(args.matmul)
     src = read_lines(args.data / "test_2016_flickr.de.gz")
     ref = read_lines(args.data / "test_2016_flickr.en.gz")
     for model_dir in args.model:
@@ -77,8 +80,9 @@ def bench_decode(args: argparse.Namespace) -> None:
             for _ in range(args.runs):
                 start = time.perf_counter()
                 result = translate(
-                    model, tokenizer, src, options, 1 << 30, args.batch_sentences, "cpu", workers
-                )
+                    model, tokenizer, src, options, batch_tokens=1 << 30,
+                    batch_sentences=args.batch_sentences, workers=workers,
+                )  # fmt: skip
                 times.append(time.perf_counter() - start)
             assert result is not None
             hyps = [r[0].text for r in result]
@@ -204,7 +208,7 @@ def bench_train(args: argparse.Namespace) -> None:
             # The machine's fp32 peak: the better of the two libraries (attnmt.matmul).
             peaks = {}
             for lib in ("blas", "onednn") if dtype == torch.float32 else ("blas",):
-                with matmul.backend(lib) as used:
+                with matmul.matmul_backend(lib) as used:
                     peaks[used] = max(peaks.get(used, 0.0), matmul_peak_gflops(args.threads, dtype))
             peak = max(peaks.values())
             cmd = [sys.executable, "-m", "attnmt", "train", "--config", str(work / "config.yaml")]
