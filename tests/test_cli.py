@@ -2,6 +2,7 @@
 
 import gc
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -198,12 +199,14 @@ def test_train_translate_eval_end_to_end(tmp_path: Path, corpus, run_cli, arch, 
     assert out2.read_text() == out.read_text()
     # 16-bit decoding: one line out per line in; an unknown format is a user error
     out3 = tmp_path / "hyp3.txt"
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
     r = run_cli(
         "translate", "-m", str(model), "-i", str(corpus["dev_src"]), "-o", str(out3),
         "--precision", "bf16",
     )  # fmt: skip
     assert r.code == 0, r.stderr
     assert len(out3.read_text().splitlines()) == 20
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"  # capped, as training does
     # a CPU without 16-bit matmul instructions: it still decodes, and says it may be slow
     import attnmt.kernels
 

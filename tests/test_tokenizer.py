@@ -40,3 +40,23 @@ def test_vocab_size_is_a_soft_limit_on_small_corpora():
 def test_load_missing_model(tmp_path: Path):
     with pytest.raises(CheckpointError, match=r"missing SentencePiece model spm\.model"):
         Tokenizer.load(tmp_path, joint=True)
+
+
+@pytest.mark.parametrize("joint", [True, False])
+def test_load_reads_each_model_once(tmp_path: Path, monkeypatch, joint: bool):
+    import attnmt.tokenizer as tokenizer
+
+    src, tgt = make_pairs(200, 0)
+    for name, proto in Tokenizer.train(src, tgt, vocab_size=40, joint=joint).files().items():
+        (tmp_path / name).write_bytes(proto)
+    built = []
+    real = tokenizer.SubwordVocab.__init__
+
+    def counting(self, proto):
+        built.append(proto)
+        real(self, proto)
+
+    monkeypatch.setattr(tokenizer.SubwordVocab, "__init__", counting)
+    loaded = Tokenizer.load(tmp_path, joint)
+    assert len(built) == (1 if joint else 2)
+    assert loaded.joint == joint
