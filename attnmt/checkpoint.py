@@ -289,12 +289,11 @@ def resolve_weights(model_dir: Path, weights: str) -> Path:
     else:
         path = Path(weights)
     if not path.is_file():
-        kept = sorted(
-            f.name.split(".")[0] for f in (model_dir / CKPT_DIR).glob("step-*.safetensors")
-        )
+        names = (f.name for f in (model_dir / CKPT_DIR).glob("step-*.safetensors"))
+        kept = sorted(int(m.group(1)) for m in map(_STEP_FILE.match, names) if m)
         raise CheckpointError(
             f"{model_dir}: no weights {weights!r} ({path.name} not found); kept checkpoints: "
-            + (", ".join(f"step-{int(k[5:])}" for k in kept) or "none")
+            + (", ".join(f"step-{k}" for k in kept) or "none")
         )
     return path
 

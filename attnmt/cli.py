@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     import torch
 
     from attnmt.config import Config
-    from attnmt.seq2seq import Seq2Seq
+    from attnmt.evaluate import Translation
+    from attnmt.seq2seq import AttentionSpec, Seq2Seq
     from attnmt.tokenizer import Tokenizer
 
 app = typer.Typer(
@@ -185,7 +186,6 @@ def translate(
     from attnmt.evaluate import search_options
     from attnmt.evaluate import translate as run_translate
     from attnmt.kernels import matmul_backend
-    from attnmt.seq2seq import AttentionSpec
 
     lines = _read_input(input)
     loaded = _load(model, weights, device, precision, matmul)
@@ -195,19 +195,7 @@ def translate(
         raise AttnmtError(f"--n-best {n_best} exceeds the beam size {beam}; raise --beam")
     spec = None
     if attention is not None:
-        layers, heads = cfg.model.dec_layers, cfg.model.heads
-        if cfg.model.arch == "transformer":
-            if not -layers <= attention_layer < layers:
-                raise AttnmtError(
-                    f"--attention-layer {attention_layer}: the decoder has {layers} layers"
-                )
-            if attention_head is not None and attention_head >= heads:
-                raise AttnmtError(f"--attention-head {attention_head}: the model has {heads} heads")
-        spec = AttentionSpec(attention_layer, attention_head)
-        try:
-            attention.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise AttnmtError(f"--attention {attention}: cannot create it ({e.strerror})") from None
+        spec = _attention_spec(cfg, attention, attention_layer, attention_head)
     options = search_options(
         cfg.decode, beam=beam, length_penalty=length_penalty, n_best=n_best, attention=spec
     )
@@ -228,16 +216,40 @@ def translate(
         sys.stdout.flush()
     else:
         output.write_text(text, encoding="utf-8")
-    if attention is not None:
-        from attnmt.heatmap import write_attention_map
+    if spec is not None and attention is not None:
+        _write_attention_maps(attention, [r[0] for r in results], cfg, spec)
 
-        layer = attention_layer % cfg.model.dec_layers  # -1: the top layer, by its number
-        what = "Bahdanau attention" if cfg.model.arch == "rnn" else (
-            f"cross-attention, layer {layer + 1} of {cfg.model.dec_layers}, "
-            + ("mean of heads" if attention_head is None else f"head {attention_head}")
-        )  # fmt: skip
-        for i, r in enumerate(results, start=1):
-            write_attention_map(attention, i, r[0], f"line {i}: {what}")
+
+def _attention_spec(cfg: Config, directory: Path, layer: int, head: int | None) -> AttentionSpec:
+    """--attention-layer/--attention-head checked against the model; DIR created."""
+    from attnmt.seq2seq import AttentionSpec
+
+    layers, heads = cfg.model.dec_layers, cfg.model.heads
+    if cfg.model.arch == "transformer":
+        if not -layers <= layer < layers:
+            raise AttnmtError(f"--attention-layer {layer}: the decoder has {layers} layers")
+        if head is not None and head >= heads:
+            raise AttnmtError(f"--attention-head {head}: the model has {heads} heads")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise AttnmtError(f"--attention {directory}: cannot create it ({e.strerror})") from None
+    return AttentionSpec(layer, head)
+
+
+def _write_attention_maps(
+    directory: Path, best: list[Translation], cfg: Config, spec: AttentionSpec
+) -> None:
+    """A JSON file and a heatmap per input line, numbered from 1."""
+    from attnmt.heatmap import write_attention_map
+
+    layer = spec.layer % cfg.model.dec_layers  # -1: the top layer, by its number
+    what = "Bahdanau attention" if cfg.model.arch == "rnn" else (
+        f"cross-attention, layer {layer + 1} of {cfg.model.dec_layers}, "
+        + ("mean of heads" if spec.head is None else f"head {spec.head}")
+    )  # fmt: skip
+    for i, translation in enumerate(best, start=1):
+        write_attention_map(directory, i, translation, f"line {i}: {what}")
 
 
 def _workers(option: int | None, configured: int, device: torch.device) -> int:

@@ -175,7 +175,7 @@ def beam_search(
     log-probability / length_penalty(length, alpha), with length counting EOS.
 
     Returns:
-        For each sentence, its n_best hypotheses: the 1-best first (see _n_best), then by score.
+        For each sentence, its n_best hypotheses: the 1-best first, then by score (_Finished).
     """
     K, n_best, alpha = options.beam, options.n_best, options.length_penalty
     attention = options.attention
@@ -193,21 +193,12 @@ def beam_search(
     attn_hist: torch.Tensor | None = None  # (B_a*K, t, S)
     prev = torch.full((B * K,), model.bos_id, dtype=torch.long, device=device)
     active = list(range(B))  # original sentence index of each active row block
-    finished: list[list[Hypothesis]] = [[] for _ in range(B)]
-    first: list[Hypothesis | None] = [None] * B  # each sentence's 1-best answer
+    results = _Finished(alpha, n_best, B)
     for t in range(int(limits.max())):
         n = len(active)
         logits, state, attn = model.decode_step(memory, state, prev, attention)  # (n*K, V)
         logp = torch.log_softmax(logits.float(), dim=-1)  # (n*K, V)
-        # A sentence's 2K best candidates are among the 2K best continuations of their own
-        # beams (a better candidate of the same beam is a better one overall), so the beam
-        # scores are added to those K * 2K only, not to all K * V.
-        per_beam = min(2 * K, logp.size(-1))
-        beam_lp, beam_tok = topk_rows(logp, per_beam)  # (n*K, P)
-        cand = (scores.view(-1, 1) + beam_lp).view(n, K * per_beam)  # (n, K*P)
-        top_scores, top_idx = cand.topk(2 * K, dim=1)  # (n, 2K)
-        top_beam = torch.div(top_idx, per_beam, rounding_mode="floor")  # (n, 2K)
-        top_tok = beam_tok.view(n, K * per_beam).gather(1, top_idx)  # (n, 2K)
+        top_scores, top_beam, top_tok = _best_candidates(scores, logp)  # (n, 2K) each
         if attn is not None:
             a = attn.float().unsqueeze(1)  # (n*K, 1, S)
             attn_hist = a if attn_hist is None else torch.cat([attn_hist, a], dim=1)
@@ -217,15 +208,8 @@ def beam_search(
         finish[:, K:] = False
         for r, c in finish.nonzero().tolist():
             row = r * K + int(top_beam[r, c])
-            finished[active[r]].append(
-                _hypothesis(
-                    tokens[row],
-                    float(top_scores[r, c]),
-                    t + 1,
-                    alpha,
-                    True,
-                    attn_hist[row] if attn_hist is not None else None,
-                )
+            results.add(
+                active[r], tokens[row], float(top_scores[r, c]), t + 1, True, attn_hist, row
             )
         # 2. The K best candidates that are not EOS continue.
         cont_scores = top_scores.masked_fill(is_eos, float("-inf"))  # (n, 2K)
@@ -245,17 +229,11 @@ def beam_search(
         at_limit = (limits[active] <= t + 1).tolist()
         keep = []
         for r in range(n):
-            sent = finished[active[r]]
-            if at_limit[r]:
-                for j in range(K):
-                    row = r * K + j
-                    sent.append(_hypothesis(
-                        tokens[row], float(new_scores[r, j]), t + 1, alpha, False,
-                        attn_hist[row] if attn_hist is not None else None))  # fmt: skip
-            if first[active[r]] is None and (at_limit[r] or (best_is_eos[r] and sent)):
-                # Where a 1-best search stops: its answer heads the n-best list too.
-                first[active[r]] = max(sent, key=lambda h: h.score)
-            if not at_limit[r] and not (best_is_eos[r] and len(sent) >= n_best):
+            for j in range(K if at_limit[r] else 0):
+                row = r * K + j
+                results.add(active[r], tokens[row], float(new_scores[r, j]), t + 1, False,
+                            attn_hist, row)  # fmt: skip
+            if not results.done(active[r], best_is_eos[r], at_limit[r]):
                 keep.append(r)
         # 4. Done sentences leave; the others go on with their reordered beams.
         if not keep:
@@ -274,15 +252,68 @@ def beam_search(
             active = [active[r] for r in keep]
         else:
             state = model.select_state(state, rows)
-    return [_n_best(hyps, best, n_best) for hyps, best in zip(finished, first, strict=True)]
+    return results.n_best_lists()
 
 
-def _n_best(hyps: list[Hypothesis], first: Hypothesis | None, n: int) -> list[Hypothesis]:
-    """The n-best list: the 1-best answer, then the other hypotheses by score. A longer search
-    for more hypotheses may find one scoring above the 1-best; it still comes second, so that
-    the first line of an n-best list is always what a 1-best translation gives."""
-    assert first is not None
-    return [first, *sorted((h for h in hyps if h is not first), key=lambda h: -h.score)][:n]
+def _best_candidates(
+    scores: torch.Tensor, logp: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each sentence's 2K best extensions from beam scores (n, K) and next-token log-probs
+    (n*K, V): their scores, beams and tokens, (n, 2K) each, best first.
+
+    A sentence's 2K best candidates are among the 2K best continuations of their own beams (a
+    better candidate of the same beam is a better one overall), so the beam scores are added
+    to those K * 2K only, not to all K * V.
+    """
+    n, K = scores.shape
+    per_beam = min(2 * K, logp.size(-1))
+    beam_lp, beam_tok = topk_rows(logp, per_beam)  # (n*K, P)
+    cand = (scores.view(-1, 1) + beam_lp).view(n, K * per_beam)  # (n, K*P)
+    top_scores, top_idx = cand.topk(2 * K, dim=1)  # (n, 2K)
+    top_beam = torch.div(top_idx, per_beam, rounding_mode="floor")  # (n, 2K)
+    return top_scores, top_beam, beam_tok.view(n, K * per_beam).gather(1, top_idx)
+
+
+class _Finished:
+    """Beam search's finished hypotheses per sentence, and each sentence's 1-best answer."""
+
+    def __init__(self, alpha: float, n_best: int, sentences: int) -> None:
+        self.alpha, self.n_best = alpha, n_best
+        self.hyps: list[list[Hypothesis]] = [[] for _ in range(sentences)]
+        self.first: list[Hypothesis | None] = [None] * sentences
+
+    def add(
+        self,
+        sent: int,
+        tokens: torch.Tensor,
+        logprob: float,
+        length: int,
+        ended: bool,
+        attn_hist: torch.Tensor | None,
+        row: int,
+    ) -> None:
+        """Finish a hypothesis of sentence `sent`: tokens (t,), the attention of beam row `row`."""
+        attn = attn_hist[row] if attn_hist is not None else None
+        self.hyps[sent].append(_hypothesis(tokens, logprob, length, self.alpha, ended, attn))
+
+    def done(self, sent: int, best_is_eos: bool, at_limit: bool) -> bool:
+        """Whether sentence `sent` is done (see beam_search). Where a 1-best search would stop,
+        its answer is kept: it heads the n-best list too."""
+        hyps = self.hyps[sent]
+        if self.first[sent] is None and (at_limit or (best_is_eos and hyps)):
+            self.first[sent] = max(hyps, key=lambda h: h.score)
+        return at_limit or (best_is_eos and len(hyps) >= self.n_best)
+
+    def n_best_lists(self) -> list[list[Hypothesis]]:
+        """Per sentence: the 1-best answer, then the other hypotheses by score. A longer search
+        for more hypotheses may find one scoring above the 1-best; it still comes second, so
+        that the first line of an n-best list is always what a 1-best translation gives."""
+        out = []
+        for hyps, first in zip(self.hyps, self.first, strict=True):
+            assert first is not None
+            rest = sorted((h for h in hyps if h is not first), key=lambda h: -h.score)
+            out.append([first, *rest][: self.n_best])
+        return out
 
 
 def _hypothesis(

@@ -715,7 +715,7 @@ def log_train(run: Run, result: StepResult, window: Throughput) -> None:
         None,
         step=result.step,
         epoch=run.progress.epoch,
-        loss=result.loss_sum / result.tokens,
+        loss=result.loss,
         lr=result.lr,
         tokens_per_s=round(window.tokens_per_s, 1),
         tokens=window.tokens,

@@ -367,23 +367,15 @@ def test_setup_builds_a_fresh_run(run):
 def test_train_step_updates_and_reports(run):
     idx = run.sampler.epoch(1)[0]
     before = weights_of(run.model)
-    result = run_mod_step(run, idx)
+    result = train_mod.train_step(run, idx, False)
     assert result.updated and result.step == 1 and not result.signalled
     assert result.tokens == sum(len(run.train_data.tgt[i]) + 1 for i in idx)
     assert 0 < result.real <= result.positions
-    assert math_isclose(result.loss, result.loss_sum / result.tokens)
+    assert result.loss == pytest.approx(result.loss_sum / result.tokens, rel=1e-9)
     assert (result.lr, result.teacher_forcing) == train_mod.step_schedules(1, run.cfg, 1.0)
     assert not torch.equal(before, weights_of(run.model))
     assert run.progress.step == 0, "the loop, not the step, counts steps"
     assert train_mod.train_step(run, idx, True).signalled
-
-
-def run_mod_step(run, idx):
-    return train_mod.train_step(run, idx, False)
-
-
-def math_isclose(a: float, b: float) -> bool:
-    return abs(a - b) <= 1e-9 * max(1.0, abs(b))
 
 
 def test_a_nonfinite_step_changes_nothing_and_is_counted(run, monkeypatch):
