@@ -21,9 +21,11 @@ from attnmt.data import Batch
 from attnmt.kernels import (
     Dropout,
     Linear,
+    ScheduledSampling,
     bigru_recurrence,
     gru_attention_recurrence,
     linear_cross_entropy,
+    scheduled_gru_attention_recurrence,
 )
 from attnmt.seq2seq import AttentionSpec, Seq2Seq, gold_coins
 from attnmt.tokenizer import PAD_ID
@@ -147,14 +149,25 @@ class RNNSeq2Seq(Seq2Seq):
         return out.squeeze(1), context, hidden, weights
 
     def _pre_output(
-        self, out: torch.Tensor, context: torch.Tensor, emb: torch.Tensor
+        self,
+        out: torch.Tensor,
+        context: torch.Tensor,
+        emb: torch.Tensor,
+        dropout_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """o_t = dropout(tanh(W_o [s_t; c_t; E y_{t-1}])) for any leading shape (..., E).
+        """o_t = dropout(tanh(W_o [s_t; c_t; E y_{t-1}])) for any leading shape (..., E), with
+        a given dropout_scale (Dropout.scale) or a fresh mask.
 
         Nothing feeds back from o_t into the recurrence, so training computes it for all
         positions at once after the loop (one large matmul instead of one small one per step).
         """
-        return self.dropout(torch.tanh(self.pre_output(torch.cat([out, context, emb], dim=-1))))
+        o = torch.tanh(self.pre_output(torch.cat([out, context, emb], dim=-1)))
+        return o * dropout_scale if dropout_scale is not None else self.dropout(o)
+
+    def _fused_decoder(self) -> bool:
+        """One GRU layer with Bahdanau attention (the usual setup) runs as one autograd function
+        with hand-written backpropagation through time (attnmt.kernels)."""
+        return self.dec_layers == 1 and isinstance(self.attention, AdditiveAttention)
 
     def teacher_forced(
         self, memory: RNNMemory, hidden: torch.Tensor, embs: torch.Tensor, fused: bool = True
@@ -162,11 +175,10 @@ class RNNSeq2Seq(Seq2Seq):
         """The recurrence over gold inputs embs (B, T, E) from state hidden (L, B, D): the GRU
         outputs and the contexts, (B, T, D) each.
 
-        One GRU layer with Bahdanau attention (the usual setup) runs as one autograd function
-        with hand-written backpropagation through time (attnmt.kernels; `fused=False`
-        steps through autograd instead, for tests); other setups step through autograd.
+        The usual setup runs fused (_fused_decoder; `fused=False` steps through autograd
+        instead, for tests); other setups step through autograd.
         """
-        if fused and self.dec_layers == 1 and isinstance(self.attention, AdditiveAttention):
+        if fused and self._fused_decoder():
             outs, contexts = gru_attention_recurrence(
                 embs,
                 hidden[0],
@@ -218,33 +230,55 @@ class RNNSeq2Seq(Seq2Seq):
     ) -> tuple[torch.Tensor, int]:
         memory = self.encode(batch.src, batch.src_pad_mask)
         hidden = self.init_state(memory)
-        inputs = batch.tgt_in  # (B, T)
         if tf_ratio < 1.0:
-            use_gold = gold_coins(tuple(inputs.shape), tf_ratio, generator, inputs.device)
-            inputs = self.sampled_inputs(memory, hidden, inputs, use_gold)  # (B, T)
-        # All inputs known: embed them at once, run the recurrence, project once.
-        embs = self.dropout(self.tgt_embed(inputs))  # (B, T, E)
-        outs, contexts = self.teacher_forced(memory, hidden, embs)  # (B, T, D) each
-        h = self._pre_output(outs, contexts, embs)  # (B, T, E)
+            use_gold = gold_coins(tuple(batch.tgt_in.shape), tf_ratio, generator, batch.src.device)
+            h = self.scheduled_sampling(memory, hidden, batch.tgt_in, use_gold)  # (B, T, E)
+        else:  # All inputs known: embed them at once, run the recurrence, project once.
+            embs = self.dropout(self.tgt_embed(batch.tgt_in))  # (B, T, E)
+            outs, contexts = self.teacher_forced(memory, hidden, embs)  # (B, T, D) each
+            h = self._pre_output(outs, contexts, embs)  # (B, T, E)
         return linear_cross_entropy(h, self.output.weight, batch.tgt_out, PAD_ID, label_smoothing)
 
-    @torch.no_grad()
-    def sampled_inputs(
-        self, memory: RNNMemory, hidden: torch.Tensor, gold: torch.Tensor, use_gold: torch.Tensor
+    def scheduled_sampling(
+        self,
+        memory: RNNMemory,
+        hidden: torch.Tensor,
+        gold: torch.Tensor,
+        use_gold: torch.Tensor,
+        fused: bool = True,
     ) -> torch.Tensor:
-        """Scheduled sampling's decoder inputs (Bengio et al. 2015,
-        https://arxiv.org/abs/1506.03099): position t > 0 takes the gold token where
-        use_gold[:, t], else the model's own argmax prediction from step t-1, which was fed
-        its own mixed inputs before it. No gradient flows through the choice, so the choices
-        are made in a pass without autograd, and the loss then runs over the chosen inputs
-        like a teacher-forced batch. gold, use_gold (B, T) -> inputs (B, T).
+        """Scheduled sampling (Bengio et al. 2015, https://arxiv.org/abs/1506.03099): input
+        t > 0 is the gold token where use_gold[:, t], else the argmax of step t-1's logits (the
+        ones the loss scores, same dropout). No gradient flows through the choice. Returns the
+        pre-outputs o_1..o_T (B, T, E); gold, use_gold (B, T).
         """
-        inputs = gold.clone()  # (B, T)
-        for t in range(gold.size(1) - 1):
-            emb = self.dropout(self.tgt_embed(inputs[:, t]))  # (B, E)
+        shape = (*gold.shape, self.tgt_embed.embedding_dim)
+        emb_scale, pre_scale = self.dropout.scale(shape, hidden), self.dropout.scale(shape, hidden)
+        gold_embs = self.tgt_embed(gold)  # (B, T, E)
+        if emb_scale is not None:
+            gold_embs = gold_embs * emb_scale
+        if fused and self._fused_decoder():
+            sampling = ScheduledSampling(
+                gold, use_gold, emb_scale, pre_scale, self.tgt_embed, self.pre_output,
+                self.output.weight,
+            )  # fmt: skip
+            inputs, outs, contexts = scheduled_gru_attention_recurrence(
+                gold_embs, hidden[0], memory.proj_keys, memory.enc_out, memory.pad_mask,
+                self.attention, self.rnn, sampling,
+            )  # fmt: skip
+            embs = self.tgt_embed(inputs)  # (B, T, E)
+            embs = embs * emb_scale if emb_scale is not None else embs
+            return self._pre_output(outs.transpose(0, 1), contexts.transpose(0, 1), embs, pre_scale)
+        pres, emb = [], gold_embs[:, 0]  # (B, E)
+        for t in range(gold.size(1)):
             out, context, hidden, _ = self._recur(memory, hidden, emb)  # (B, D) ...
-            rows = (~use_gold[:, t + 1]).nonzero().squeeze(1)  # (b,) rows that need a prediction
-            if rows.numel():
-                pre = self._pre_output(out[rows], context[rows], emb[rows])  # (b, E)
-                inputs[rows, t + 1] = self.output(pre).argmax(dim=-1)  # (b,)
-        return inputs
+            scale = None if pre_scale is None else pre_scale[:, t]
+            pres.append(self._pre_output(out, context, emb, scale))  # (B, E)
+            if t + 1 < gold.size(1):
+                with torch.no_grad():
+                    predicted = self.output(pres[-1]).argmax(dim=-1)  # (B,)
+                emb = torch.where(
+                    use_gold[:, t + 1, None], gold_embs[:, t + 1], self.tgt_embed(predicted)
+                    * (emb_scale[:, t + 1] if emb_scale is not None else 1.0),
+                )  # fmt: skip
+        return torch.stack(pres, dim=1)

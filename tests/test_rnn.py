@@ -79,9 +79,8 @@ def _plain_scheduled_sampling(model, batch, tf_ratio, generator):
 
 @pytest.mark.parametrize("dec_layers", [1, 2])  # 1: through the fused recurrence
 def test_scheduled_sampling_equals_the_autograd_path(dec_layers):
-    """At ratio 0.5 the loss (its inputs chosen in a pass without autograd, then the fused
-    teacher-forced recurrence over them) has the stepped path's value and gradients, with the
-    same per-token coins."""
+    """At ratio 0.5 the loss (with one decoder layer, its inputs chosen inside the fused
+    recurrence) has the stepped path's value and gradients, with the same per-token coins."""
     model = tiny_model("rnn", dec_layers=dec_layers).double().train()
     batch = random_batch(B=6)
     results = []
@@ -92,6 +91,31 @@ def test_scheduled_sampling_equals_the_autograd_path(dec_layers):
         results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
     (loss, grads), (ref, ref_grads) = results
     torch.testing.assert_close(loss, ref, rtol=1e-10, atol=1e-12)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-11)
+
+
+def test_scheduled_sampling_fused_equals_stepped_with_dropout():
+    """With dropout, the fused recurrence chooses each input from the loss's own logits (same
+    masks) and sends the predicted inputs' gradients to the embedding table, as autograd does."""
+    from attnmt.seq2seq import gold_coins
+
+    model = tiny_model("rnn", dec_layers=1, dropout=0.3).double().train()
+    batch = random_batch(B=6)
+    use_gold = gold_coins(tuple(batch.tgt_in.shape), 0.5, torch.Generator().manual_seed(1), "cpu")
+    results = []
+    for fused in (True, False):
+        model.zero_grad()
+        torch.manual_seed(7)  # the same dropout masks for both
+        memory = model.encode(batch.src, batch.src_pad_mask)
+        h = model.scheduled_sampling(
+            memory, model.init_state(memory), batch.tgt_in, use_gold, fused
+        )
+        (h * torch.linspace(-1, 1, h.numel(), dtype=h.dtype).view_as(h)).sum().backward()
+        results.append((h.detach(), [p.grad.clone() for p in model.parameters()]))
+    (h, grads), (ref, ref_grads) = results
+    assert (h == 0).any() and not use_gold[:, 1:].all()  # dropout and predictions took part
+    torch.testing.assert_close(h, ref, rtol=1e-10, atol=1e-12)
     for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-11)
 

@@ -10,6 +10,7 @@ how that was measured, is in docs/benchmarks.md ("What the kernels gain").
     feed_forward, dropout_add    the Transformer's FFN and residual dropout, fused on CPU
     Dropout, dropout             dropout with a cheaper CPU mask
     gru_attention_recurrence     the rnn decoder's teacher-forced recurrence (BPTT by hand)
+    scheduled_gru_attention_recurrence   the same, choosing scheduled sampling's inputs
     bigru_recurrence             the rnn encoder's one-layer bidirectional GRU
 """
 
@@ -23,7 +24,12 @@ from attnmt.kernels.matmul import (
     matmul_backend,
 )
 from attnmt.kernels.ops import Dropout, dropout, dropout_add, feed_forward, linear_cross_entropy
-from attnmt.kernels.recurrence import bigru_recurrence, gru_attention_recurrence
+from attnmt.kernels.recurrence import (
+    ScheduledSampling,
+    bigru_recurrence,
+    gru_attention_recurrence,
+    scheduled_gru_attention_recurrence,
+)
 
 __all__ = [
     "BACKENDS",
@@ -31,6 +37,7 @@ __all__ = [
     "PRECISION_DTYPES",
     "Dropout",
     "Linear",
+    "ScheduledSampling",
     "bigru_recurrence",
     "cpu_matmul_hardware",
     "dropout",
@@ -40,4 +47,5 @@ __all__ = [
     "limit_onednn_kernel_cache",
     "linear_cross_entropy",
     "matmul_backend",
+    "scheduled_gru_attention_recurrence",
 ]

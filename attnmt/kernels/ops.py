@@ -218,6 +218,17 @@ class Dropout(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dropout(x, self.p, self.training, self.inplace)
 
+    def scale(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor | None:
+        """The multiplier this layer would apply to a tensor of `shape` (like `like`'s device
+        and dtype): 0 or 1 / (1 - p) per element; None when it is off. For code that must apply
+        one mask in two places."""
+        if not self.training or self.p == 0.0:
+            return None
+        if _use_plain_ops(like):
+            ones = torch.ones(shape, device=like.device, dtype=like.dtype)
+            return F.dropout(ones, self.p, True)
+        return dropout_scale(shape, self.p).to(like.device, like.dtype)
+
     def extra_repr(self) -> str:
         return f"p={self.p}, inplace={self.inplace}"
 

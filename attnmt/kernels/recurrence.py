@@ -24,6 +24,7 @@ torch.nn.GRU's gate layout r, z, n):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -87,7 +88,76 @@ def _gru_cell_backward(
     return d_out * z
 
 
+@dataclass(frozen=True)
+class ScheduledSampling:
+    """Scheduled sampling's choice of inputs (Bengio et al. 2015,
+    https://arxiv.org/abs/1506.03099), made as the recurrence runs: input t > 0 is the gold
+    token where use_gold[:, t], else the argmax of step t-1's logits
+        W_out · dropout(tanh(W_o [s_{t-1}; c_{t-1}; E y_{t-2}]))
+    with the same dropout scales the loss uses, so the choice is the argmax of the loss's own
+    logits. No gradient flows through the choice; the chosen tokens' embeddings get theirs."""
+
+    gold: Tensor  # (B, T) gold inputs y_0..y_{T-1}
+    use_gold: Tensor  # (B, T) bool
+    emb_scale: Tensor | None  # (B, T, E) dropout scale of the input embeddings; None: off
+    pre_scale: Tensor | None  # (B, T, E) dropout scale of the pre-outputs; None: off
+    embed: nn.Embedding  # E
+    pre_output: nn.Linear  # W_o, over [s; c; E y]
+    output_weight: Tensor  # (V, E) W_out
+
+
+class _Chooser:
+    """The state of scheduled sampling inside _GRUAttentionRecurrence.forward: the inputs
+    chosen so far, the embeddings fed, and the rows that take a prediction at each step."""
+
+    def __init__(self, s: ScheduledSampling, embs: Tensor, md: torch.dtype) -> None:
+        f32 = torch.promote_types(embs.dtype, torch.float32)
+        self.s, self.md, self.f32 = s, md, f32
+        self.inputs = s.gold.clone()  # (B, T) the inputs fed
+        self.embs = embs.detach().to(f32).clone()  # (B, T, E) their embeddings, after dropout
+        self.predicted = ~s.use_gold  # (B, T) where input t is a prediction
+        self.predicted[:, 0] = False
+        self.rows = [self.predicted[:, t].nonzero().squeeze(1) for t in range(s.gold.size(1))]
+        self.w_oT = s.pre_output.weight.detach().t().to(md)  # (2D + E, E)
+        self.b_o = s.pre_output.bias.detach().to(f32)  # (E,)
+        self.w_outT = s.output_weight.detach().t().to(md)  # (E, V)
+
+    def feed(self, t: int, s: Tensor, c: Tensor, ge: Tensor, w_ieT: Tensor, b_ih: Tensor) -> None:
+        """After step t (state s, context c: (B, D)), choose input t+1 of the rows that take a
+        prediction and replace their input projection in ge (T, B, 3D)."""
+        rows = self.rows[t + 1]  # (b,)
+        if rows.numel() == 0:
+            return
+        sc = self.s
+        x = torch.cat([s[rows], c[rows], self.embs[rows, t]], dim=-1)  # (b, 2D + E)
+        pre = torch.tanh(_mm(x, self.w_oT, self.md, self.f32) + self.b_o)  # (b, E)
+        if sc.pre_scale is not None:
+            pre = pre * sc.pre_scale[rows, t]
+        tokens = _mm(pre, self.w_outT, self.md, self.f32).argmax(dim=-1)  # (b,)
+        self.inputs[rows, t + 1] = tokens
+        emb = sc.embed.weight.detach()[tokens].to(self.f32)  # (b, E)
+        if sc.emb_scale is not None:
+            emb = emb * sc.emb_scale[rows, t + 1]
+        self.embs[rows, t + 1] = emb
+        ge[t + 1, rows] = _mm(emb, w_ieT, self.md, self.f32) + b_ih
+
+    def embedding_grads(self, d_embs: Tensor) -> tuple[Tensor, Tensor]:
+        """Split the gradient of the embeddings fed (B, T, E): the gold inputs' part (0 at
+        predicted inputs) and the embedding table's part from the predicted ones (V, E)."""
+        sc, pred = self.s, self.predicted
+        d_pred = d_embs if sc.emb_scale is None else d_embs * sc.emb_scale
+        tokens = self.inputs[pred]  # (n,)
+        d_rows = d_pred[pred].masked_fill((tokens == sc.embed.padding_idx).unsqueeze(1), 0.0)
+        weight = sc.embed.weight
+        d_table = torch.zeros_like(weight).index_add_(0, tokens, d_rows.to(weight.dtype))
+        return d_embs.masked_fill(pred.unsqueeze(-1), 0.0), d_table
+
+
 class _GRUAttentionRecurrence(torch.autograd.Function):
+    """The recurrence of the module docstring over inputs known in advance (embs), or chosen
+    as it runs when `sampling` is given (then it also returns the inputs chosen, and the
+    gradient of the predicted inputs' embeddings goes to the embedding table embed_w)."""
+
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx,
@@ -104,7 +174,9 @@ class _GRUAttentionRecurrence(torch.autograd.Function):
         w_hh: Tensor,
         b_hh: Tensor,
         mm_dtype: torch.dtype | None,
-    ) -> tuple[Tensor, Tensor]:
+        embed_w: Tensor | None = None,
+        sampling: ScheduledSampling | None = None,
+    ) -> tuple[Tensor, ...]:
         B, T, E = embs.shape
         S, A, D = proj_keys.size(1), proj_keys.size(2), h0.size(1)
         f32 = torch.promote_types(embs.dtype, torch.float32)
@@ -121,7 +193,10 @@ class _GRUAttentionRecurrence(torch.autograd.Function):
         K, vals = proj_keys.to(f32), values.to(f32)
         # The embedding part of every step's input projection, one matmul: (T, B, 3D).
         ge = mm(embs.transpose(0, 1).reshape(T * B, E), w_ih[:, :E].t().to(md)).view(T, B, -1)
-        ge += b_ih.to(f32)
+        b_ih_ = b_ih.to(f32)
+        ge += b_ih_
+        chooser = None if sampling is None else _Chooser(sampling, embs, md)
+        w_ieT = w_ih[:, :E].t().to(md) if chooser else None  # (E, 3D)
         outs = embs.new_empty((T, B, D), dtype=f32)  # s_t
         ctxs = embs.new_empty((T, B, D), dtype=f32)  # c_t
         es = embs.new_empty((T, B, S, A), dtype=f32)  # tanh(q + K)
@@ -139,14 +214,24 @@ class _GRUAttentionRecurrence(torch.autograd.Function):
             gi = mm(c, w_icT) + ge[t]  # (B, 3D)
             gh = mm(s, w_hhT) + b_hh_  # (B, 3D)
             s = _gru_cell(gi, gh, s, gates[t], gh_ns[t], outs[t])  # (B, D)
-        ctx.save_for_backward(embs, h0, values, w_q, v, w_ih, w_hh, outs, ctxs, es, alphas)
+            if chooser is not None and t + 1 < T:
+                chooser.feed(t, s, c, ge, w_ieT, b_ih_)  # type: ignore[arg-type]
+        embs_fed = embs if chooser is None else chooser.embs
+        ctx.save_for_backward(embs_fed, h0, values, w_q, v, w_ih, w_hh, outs, ctxs, es, alphas)
         ctx.gates, ctx.gh_ns, ctx.mm_dtype = gates, gh_ns, mm_dtype  # type: ignore[attr-defined]
-        ctx.keys_dtype = proj_keys.dtype  # type: ignore[attr-defined]
-        return outs, ctxs
+        ctx.keys_dtype, ctx.chooser = proj_keys.dtype, chooser  # type: ignore[attr-defined]
+        ctx.embs_dtype = embs.dtype  # type: ignore[attr-defined]
+        if chooser is None:
+            return outs, ctxs
+        ctx.mark_non_differentiable(chooser.inputs)
+        return outs, ctxs, chooser.inputs
 
     @staticmethod
     def backward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, d_outs: Tensor | None, d_ctxs: Tensor | None
+        ctx: torch.autograd.function.FunctionCtx,
+        d_outs: Tensor | None,
+        d_ctxs: Tensor | None,
+        *_: Tensor | None,
     ) -> tuple[Tensor | None, ...]:
         embs, h0, values, w_q, v, w_ih, w_hh, outs, ctxs, es, alphas = ctx.saved_tensors  # type: ignore[attr-defined]
         gates, gh_ns = ctx.gates, ctx.gh_ns  # type: ignore[attr-defined]
@@ -203,9 +288,12 @@ class _GRUAttentionRecurrence(torch.autograd.Function):
         d_w_q = mm(d_q2.t(), s_prevs.to(md))  # (A, D)
         d_v = mm(d_scores.view(1, -1), es.view(-1, A).to(md))  # (1, A)
         d_embs = mm(d_gi2, w_ih[:, :E].to(md)).view(T, B, E).transpose(0, 1)  # (B, T, E)
+        d_table = None
+        if ctx.chooser is not None:  # type: ignore[attr-defined]
+            d_embs, d_table = ctx.chooser.embedding_grads(d_embs)  # type: ignore[attr-defined]
         d_values = mm(alphas.permute(1, 2, 0), d_c.transpose(0, 1).to(md))  # (B, S, D)
         return (
-            d_embs.to(embs.dtype),
+            d_embs.to(ctx.embs_dtype),  # type: ignore[attr-defined]
             ds.to(h0.dtype),
             d_keys.to(ctx.keys_dtype),  # type: ignore[attr-defined]
             d_values.to(values.dtype),
@@ -217,6 +305,8 @@ class _GRUAttentionRecurrence(torch.autograd.Function):
             d_gi2.sum(0),
             d_w_hh.to(w_hh.dtype),
             d_gh2.sum(0),
+            None,
+            d_table,
             None,
         )
 
@@ -244,16 +334,50 @@ def gru_attention_recurrence(
     Under autocast the matmuls run in its dtype and everything else in fp32, as in
     kernels.ops.linear_cross_entropy.
     """
+    outs, ctxs = _apply(embs, h0, proj_keys, values, pad_mask, attention, gru, None)
+    return outs, ctxs
+
+
+def scheduled_gru_attention_recurrence(
+    embs: Tensor,
+    h0: Tensor,
+    proj_keys: Tensor,
+    values: Tensor,
+    pad_mask: Tensor,
+    attention: AdditiveAttention,
+    gru: nn.GRU,
+    sampling: ScheduledSampling,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """gru_attention_recurrence with scheduled sampling: embs (B, T, E) are the gold inputs'
+    embeddings (after dropout with sampling.emb_scale), and where sampling says so an input is
+    the model's own prediction from the step before, chosen in the same loop (one recurrence,
+    not a choosing pass and a teacher-forced one). Returns the inputs fed (B, T), outs and
+    contexts (T, B, ·)."""
+    outs, ctxs, inputs = _apply(embs, h0, proj_keys, values, pad_mask, attention, gru, sampling)
+    return inputs, outs, ctxs
+
+
+def _apply(
+    embs: Tensor,
+    h0: Tensor,
+    proj_keys: Tensor,
+    values: Tensor,
+    pad_mask: Tensor,
+    attention: AdditiveAttention,
+    gru: nn.GRU,
+    sampling: ScheduledSampling | None,
+) -> tuple[Tensor, ...]:
     assert gru.num_layers == 1 and not gru.bidirectional
     w_q, b_q = attention.query_layer.weight, attention.query_layer.bias
+    embed_w = None if sampling is None else sampling.embed.weight
     dev = embs.device.type
     mm_dtype = _autocast_matmul_dtype(dev)
     with torch.autocast(dev, enabled=False):
-        outs, ctxs = _GRUAttentionRecurrence.apply(
+        return _GRUAttentionRecurrence.apply(
             embs, h0, proj_keys, values, pad_mask, w_q, b_q, attention.energy_layer.weight,
             gru.weight_ih_l0, gru.bias_ih_l0, gru.weight_hh_l0, gru.bias_hh_l0, mm_dtype,
+            embed_w, sampling,
         )  # fmt: skip
-    return outs, ctxs
 
 
 class _BiGRURecurrence(torch.autograd.Function):
