@@ -18,23 +18,24 @@ place, so a crash never leaves a half-written file under a real name.
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
 import pickle
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
-import yaml
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from attnmt import __version__
-from attnmt.config import Config, from_dict, to_yaml
+from attnmt.config import Config, from_dict, read_yaml, to_yaml
 from attnmt.errors import CheckpointError
+from attnmt.files import atomic_write, atomic_write_bytes, free_space
 from attnmt.model import build_model
 from attnmt.seq2seq import Seq2Seq
 from attnmt.tokenizer import Tokenizer
@@ -50,42 +51,6 @@ CKPT_DIR = "checkpoints"
 LATEST = "latest.json"
 STATE_FORMAT_VERSION = 1
 _STEP_FILE = re.compile(r"step-(\d+)\.(safetensors|state\.pt)$")
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _file_mode() -> int:
-    """The mode a new file gets from open(): 0o666 less the umask (mkstemp's is 0o600, which
-    would keep a model directory from being shared with a group)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-def atomic_write(path: Path, write: Any) -> None:
-    """Call write(tmp_path), fsync the file, rename it to path, fsync the directory."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.chmod(tmp, _file_mode())  # after write: a writer may have replaced the file
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    atomic_write(path, lambda tmp: tmp.write_bytes(data))
 
 
 def weights_dict(model: Seq2Seq) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -109,26 +74,52 @@ def weights_dict(model: Seq2Seq) -> tuple[dict[str, torch.Tensor], dict[str, str
     return tensors, aliases
 
 
+def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over every tensor's name, dtype, shape and bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return h.hexdigest()
+
+
 def save_weights(model: Seq2Seq, path: Path) -> None:
-    """Save weights as safetensors; tied tensors are stored once."""
+    """Save weights as safetensors with their checksum; tied tensors are stored once."""
     tensors, aliases = weights_dict(model)
     # One metadata entry only: the header's metadata map has no fixed key order.
-    metadata = {"attnmt.tied": json.dumps(aliases, sort_keys=True)} if aliases else None
+    meta = {"sha256": tensors_sha256(tensors), "tied": aliases}
+    metadata = {"attnmt": json.dumps(meta, sort_keys=True)}
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
 def load_weights(model: Seq2Seq, path: Path, device: torch.device | str = "cpu") -> None:
-    """Load weights saved by save_weights into model (strict: every name must match)."""
+    """Load weights saved by save_weights into model (strict: every name must match). A file
+    whose checksum does not match, or that holds NaN or infinite values, is refused."""
     try:
-        with safe_open(str(path), framework="pt", device=str(device)) as f:
-            aliases = json.loads((f.metadata() or {}).get("attnmt.tied", "{}"))
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            meta = f.metadata() or {}
             state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
-        for name, kept in aliases.items():
-            state[name] = state[kept]
-        model.load_state_dict(state, strict=True)
+        info = json.loads(meta.get("attnmt", "{}"))
+        aliases = info.get("tied") or json.loads(meta.get("attnmt.tied", "{}"))  # format 1.0
     except (SafetensorError, OSError, RuntimeError, ValueError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path}: cannot load weights ({first})") from None
+        raise CheckpointError(f"{path}: cannot load weights ({first[:200]})") from None
+    if "sha256" in info and tensors_sha256(state) != info["sha256"]:
+        raise CheckpointError(
+            f"{path}: damaged: its tensors do not match the checksum written with them"
+        )
+    for name, t in state.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{path}: damaged: tensor {name} holds NaN or infinite values")
+    for name, kept in aliases.items():
+        state[name] = state[kept]
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        first = " ".join(str(e).split())[:300]
+        raise CheckpointError(f"{path}: does not fit the model in config.yaml ({first})") from None
+    model.to(device)
 
 
 RUN_FILES = (
@@ -144,14 +135,69 @@ RUN_FILES = (
 )
 
 
-def prepare_output_dir(out: Path, overwrite: bool, resume: bool) -> None:
-    """Create (or, with resume, reuse) the model directory; refuse to mix two runs.
+LOCK_FILE = ".lock"
+_PROBE_BYTES = 4 << 20  # the start-up write check: a nearly full disk shows before any work
 
-    Fails before any data is read if the directory cannot be created or written.
+
+def lock_model_dir(out: Path) -> IO[str]:
+    """Take the model directory's exclusive lock (flock on out/.lock, created if needed) and
+    return the open lock file: the lock lasts while it stays open, and the OS releases it when
+    the process ends, however it ends (kill -9 included), so a lock is never stale."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        f = open(out / LOCK_FILE, "a+", encoding="utf-8")  # noqa: SIM115 (held open)
+    except OSError as e:
+        raise CheckpointError(f"--out {out}: cannot write there ({e.strerror or e})") from None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise CheckpointError(
+            f"--out {out}: in use by another attnmt train (pid {holder}); wait for it to end "
+            "or stop it first"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def prepare_output_dir(out: Path, overwrite: bool, resume: bool) -> IO[str]:
+    """Lock the model directory (creating it), then reuse it with resume, or clear it with
+    overwrite; refuse to mix two runs. Returns the lock file: keep it open while training.
+
+    Fails before any data is read if the directory cannot be created or written, or is in
+    use by another trainer (nothing in it is touched then).
     """
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"--out {out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not resume:
+    lock = lock_model_dir(out)
+    try:
+        _clear_or_reuse(out, overwrite, resume)
+        probe = out / CKPT_DIR / ".write-test"
+        try:
+            (out / CKPT_DIR).mkdir(parents=True, exist_ok=True)
+            with open(probe, "wb") as f:
+                f.write(bytes(_PROBE_BYTES))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise CheckpointError(
+                f"--out {out}: cannot write there ({e.strerror or e}; {free_space(out)})"
+            ) from None
+        finally:
+            probe.unlink(missing_ok=True)
+    except BaseException:
+        lock.close()
+        raise
+    return lock
+
+
+def _clear_or_reuse(out: Path, overwrite: bool, resume: bool) -> None:
+    if any(f.name != LOCK_FILE for f in out.iterdir()) and not resume:
         if not overwrite:
             raise CheckpointError(
                 f"--out {out}: already holds a run (or other files); pass --resume to continue "
@@ -168,13 +214,6 @@ def prepare_output_dir(out: Path, overwrite: bool, resume: bool) -> None:
             if d.is_dir():
                 for f in d.glob(".*.tmp"):
                     f.unlink(missing_ok=True)
-    try:
-        (out / CKPT_DIR).mkdir(parents=True, exist_ok=True)
-        probe = out / CKPT_DIR / ".write-test"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise CheckpointError(f"--out {out}: cannot write there ({e.strerror or e})") from None
 
 
 @dataclass
@@ -215,19 +254,31 @@ def save_checkpoint(
 
 
 def latest_checkpoint(out: Path) -> tuple[Path, Path] | None:
-    """(weights, state) of the newest complete checkpoint, or None if there is none yet."""
-    pointer = out / CKPT_DIR / LATEST
-    if not pointer.is_file():
-        return None
+    """(weights, state) of the newest complete checkpoint, or None if there is none yet: the
+    one latest.json names, or, when the pointer is missing, unreadable or names a missing
+    file, the newest step whose two files are both there (found by scanning)."""
+    ckpt = out / CKPT_DIR
+    pointer = ckpt / LATEST
     try:
         p = json.loads(pointer.read_text(encoding="utf-8"))
-        weights, state = out / CKPT_DIR / p["weights"], out / CKPT_DIR / p["state"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{pointer}: unreadable checkpoint pointer ({e})") from None
-    for f in (weights, state):
-        if not f.is_file():
-            raise CheckpointError(f"{pointer} names {f.name}, which is missing")
-    return weights, state
+        weights, state = ckpt / str(p["weights"]), ckpt / str(p["state"])
+        if weights.is_file() and state.is_file():
+            return weights, state
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    steps = sorted(
+        {int(m.group(1)) for m in map(_STEP_FILE.match, _names(ckpt)) if m}, reverse=True
+    )
+    for step in steps:
+        weights = ckpt / f"step-{step:08d}.safetensors"
+        state = ckpt / f"step-{step:08d}.state.pt"
+        if weights.is_file() and state.is_file():
+            return weights, state
+    return None
+
+
+def _names(directory: Path) -> list[str]:
+    return [f.name for f in directory.iterdir()] if directory.is_dir() else []
 
 
 def load_train_state(path: Path) -> dict[str, Any]:
@@ -257,7 +308,9 @@ def load_train_state(path: Path) -> dict[str, Any]:
 
 
 def write_run_files(out: Path, cfg: Config, tokenizer: Tokenizer) -> None:
-    """Config, SentencePiece model(s) and metadata: written once, at the start of training."""
+    """Config, SentencePiece model(s) and metadata: written once, at the start of training.
+    The metadata records the model section and the tokenizer files' checksums, which loading
+    checks: an edited config.yaml or a swapped spm.model is refused, not translated with."""
     atomic_write_bytes(out / CONFIG_FILE, to_yaml(cfg).encode("utf-8"))
     for name, proto in tokenizer.files().items():
         atomic_write_bytes(out / name, proto)
@@ -267,8 +320,29 @@ def write_run_files(out: Path, cfg: Config, tokenizer: Tokenizer) -> None:
         "src_vocab_size": len(tokenizer.src),
         "tgt_vocab_size": len(tokenizer.tgt),
         "joint": tokenizer.joint,
+        "model": cfg.model.model_dump(mode="json"),
+        "sha256": {name: hashlib.sha256(p).hexdigest() for name, p in tokenizer.files().items()},
     }
     atomic_write_bytes(out / META_FILE, json.dumps(meta, indent=2).encode("utf-8"))
+
+
+def check_run_files(model_dir: Path, meta: dict[str, Any], cfg: Config) -> None:
+    """config.yaml's model section and the tokenizer files are those training wrote
+    (attnmt.json records them; directories written before it did are not checked)."""
+    trained = meta.get("model") or {}
+    for key, value in cfg.model.model_dump(mode="json").items():
+        if key in trained and trained[key] != value:
+            raise CheckpointError(
+                f"{model_dir / CONFIG_FILE}: model.{key} is {value!r}, but the model was "
+                f"trained with {trained[key]!r} ({META_FILE}); restore it"
+            )
+    for name, digest in (meta.get("sha256") or {}).items():
+        path = model_dir / name
+        if path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() != digest:
+            raise CheckpointError(
+                f"{path}: not the SentencePiece model this model was trained with "
+                f"(its checksum differs from {META_FILE}'s)"
+            )
 
 
 def resolve_weights(model_dir: Path, weights: str) -> Path:
@@ -321,12 +395,18 @@ def load_model_dir(
             f"{model_dir}: model format version {version} is newer than this attnmt "
             f"({__version__}) reads (version {FORMAT_VERSION}); upgrade attnmt"
         )
-    try:
-        raw = yaml.safe_load(cfg_path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{cfg_path}: unreadable config ({e})") from None
-    cfg = from_dict(raw)
+    cfg = from_dict(read_yaml(cfg_path))
+    check_run_files(model_dir, meta, cfg)
     tokenizer = Tokenizer.load(model_dir, cfg.tokenizer.joint)
+    for side, vocab, size in (
+        ("source", tokenizer.src, src_vocab),
+        ("target", tokenizer.tgt, tgt_vocab),
+    ):
+        if len(vocab) != size:
+            raise CheckpointError(
+                f"{model_dir}: the {side} SentencePiece model has {len(vocab)} pieces, the "
+                f"weights {size} ({META_FILE}): not this model's tokenizer"
+            )
     model = build_model(cfg.model, src_vocab, tgt_vocab, cfg.tokenizer.joint)
     load_weights(model, resolve_weights(model_dir, weights), device)
     model.to(device).eval()

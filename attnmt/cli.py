@@ -17,6 +17,7 @@ import typer
 
 from attnmt import __version__
 from attnmt.errors import AttnmtError, DataError, TrainingInterrupted
+from attnmt.files import atomic_write_bytes, check_output_path, write_stdout
 
 if TYPE_CHECKING:
     import torch
@@ -187,6 +188,8 @@ def translate(
     from attnmt.evaluate import translate as run_translate
     from attnmt.kernels import matmul_backend
 
+    if output is not None:
+        check_output_path(output, "--output")
     lines = _read_input(input)
     loaded = _load(model, weights, device, precision, matmul)
     cfg = loaded.cfg
@@ -212,10 +215,9 @@ def translate(
             f"{i} ||| {t.text} ||| {t.score:.4f}\n" for i, r in enumerate(results) for t in r
         )
     if output is None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        write_stdout(text)
     else:
-        output.write_text(text, encoding="utf-8")
+        atomic_write_bytes(output, text.encode("utf-8"))
     if spec is not None and attention is not None:
         _write_attention_maps(attention, [r[0] for r in results], cfg, spec)
 
@@ -352,6 +354,8 @@ def evaluate(
         raise AttnmtError("give either --hyp FILE, or --model DIR with --src FILE")
     if model is not None and src is None:
         raise AttnmtError("--model needs --src FILE (the source text to translate)")
+    if output is not None:
+        check_output_path(output, "--output")
     refs = read_lines(ref)
     if hyp is not None:
         hyps = read_lines(hyp)
@@ -376,7 +380,7 @@ def evaluate(
             )  # fmt: skip
         name = str(src)
         if output is not None:
-            output.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
+            atomic_write_bytes(output, "".join(h + "\n" for h in hyps).encode("utf-8"))
     if len(hyps) != len(refs):
         raise DataError(f"line counts differ: {name} has {len(hyps)} lines, {ref} has {len(refs)}")
     s = score(hyps, refs)
@@ -391,12 +395,12 @@ def evaluate(
 
 
 def main() -> None:
-    """Entry point: run the app, turning our errors into one line and exit code 2."""
+    """Entry point: run the app; a user error (ours or a usage error) is one line and exit
+    code 2, an interrupt one line and 128 + the signal's number, never a traceback."""
     try:
-        app()
+        code = app(standalone_mode=False)  # errors come here, not to Typer's boxes
     except AttnmtError as e:
-        print(f"attnmt: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        _fail(str(e))
     except TrainingInterrupted as e:
         name = signal.Signals(e.signum).name
         print(
@@ -404,6 +408,22 @@ def main() -> None:
             file=sys.stderr,
         )
         sys.exit(128 + e.signum)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, typer.Abort):
+        code = 130
+    except Exception as e:
+        if not hasattr(e, "format_message"):  # not a Click usage error: a bug, show it
+            raise
+        if type(e).__name__ == "NoArgsIsHelpError":  # plain `attnmt`: the help
+            print(e.format_message())
+            sys.exit(0)
+        ctx = getattr(e, "ctx", None)
+        where = f" (see: {ctx.command_path} --help)" if ctx is not None else ""
+        _fail(" ".join(e.format_message().split()) + where)
+    if code == 130:  # Typer turns Ctrl-C into exit code 130
         print("attnmt: interrupted", file=sys.stderr)
-        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _fail(message: str) -> None:
+    print(f"attnmt: error: {message}", file=sys.stderr)
+    sys.exit(2)

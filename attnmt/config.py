@@ -7,6 +7,7 @@ resolved config (absolute paths, defaults filled in) is what the model directory
 
 from __future__ import annotations
 
+import reprlib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -127,6 +128,8 @@ class DecodeConfig(_Section):
     length_penalty: float = Field(1.0, ge=0.0, le=10.0)
     max_len_a: float = Field(1.5, ge=0.0, le=10.0)
     max_len_b: int = Field(10, ge=1, le=1000)
+    max_output_len: int = Field(1500, ge=1, le=100_000)
+    max_src_len: int = Field(1000, ge=2, le=100_000)
     batch_tokens: int = Field(8000, ge=1)
     workers: int = Field(1, ge=1, le=64)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -150,12 +153,24 @@ def _format_error(err: ValidationError) -> str:
     if kind == "extra_forbidden":
         parent = _section_at(first["loc"][:-1])
         allowed = ", ".join(parent.model_fields) if parent else "none"
-        return f"config: unknown key '{loc}' (value {value!r}); allowed keys here: {allowed}"
+        return f"config: unknown key '{loc}' (value {quote(value)}); allowed keys here: {allowed}"
     if kind == "missing":
         return f"config: missing required key '{loc}'"
     msg = first["msg"].removeprefix("Value error, ")
-    where = f"'{loc}' = {value!r}: " if loc else ""
+    where = f"'{loc}' = {quote(value)}: " if loc else ""
     return f"config: {where}{msg}"
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxdict, _SHORT.maxlist = 3, 8, 8
+_SHORT.maxstring = _SHORT.maxother = 160
+
+
+def quote(value: Any, limit: int = 200) -> str:
+    """A short repr of value (nested and long values elided), at most `limit` characters:
+    error messages stay one short line, however large the value."""
+    text = _SHORT.repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 def _section_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
@@ -178,15 +193,17 @@ def _section_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
 def apply_override(raw: dict[str, Any], assignment: str) -> None:
     """Apply one `key.path=value` override to a raw config dict; the value is parsed as YAML."""
     if "=" not in assignment:
-        raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE, e.g. train.lr=0.001")
+        raise ConfigError(f"--set {quote(assignment)}: expected KEY=VALUE, e.g. train.lr=0.001")
     key, text = assignment.split("=", 1)
     parts = key.strip().split(".")
     if not all(parts):
-        raise ConfigError(f"--set {assignment!r}: empty part in key path {key!r}")
+        raise ConfigError(f"--set {quote(assignment)}: empty part in key path {quote(key)}")
     try:
-        value = yaml.safe_load(text)
+        value = yaml.load(text, Loader=_BoundedLoader)
     except yaml.YAMLError as e:
-        raise ConfigError(f"--set {key}: value {text!r} is not valid YAML ({e.problem})") from None
+        raise ConfigError(
+            f"--set {quote(key)}: value {quote(text)} is not valid YAML ({e.problem})"
+        ) from None
     node = raw
     for i, part in enumerate(parts[:-1]):
         child = node.get(part)
@@ -209,18 +226,67 @@ def from_dict(raw: Any) -> Config:
         raise ConfigError(_format_error(e)) from None
 
 
-def load_config(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read a YAML config, apply `--set` overrides, validate, and make data paths absolute."""
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+MAX_CONFIG_BYTES = 1 << 20  # a config is a few KiB; a larger file is not one
+
+
+MAX_CONFIG_VALUES = 100_000  # values in a config with its aliases expanded
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a document whose aliases (*name) expand to more than
+    MAX_CONFIG_VALUES values: nested aliases grow exponentially (a 600-byte "billion laughs"
+    file expands to gigabytes when validated or printed)."""
+
+    def compose_document(self) -> Any:
+        node = super().compose_document()
+        if _expanded_size(node, {}) > MAX_CONFIG_VALUES:
+            raise yaml.composer.ComposerError(
+                None, None, f"its aliases expand to over {MAX_CONFIG_VALUES:,} values",
+                node.start_mark,
+            )  # fmt: skip
+        return node
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
+    """How many values node holds with every alias expanded (each shared node counted once
+    per use, computed once)."""
+    if id(node) not in sizes:
+        if isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        elif isinstance(node, yaml.SequenceNode):
+            children = node.value
+        else:
+            children = []
+        sizes[id(node)] = 1 + sum(_expanded_size(c, sizes) for c in children)
+    return sizes[id(node)]
+
+
+def read_yaml(path: Path) -> Any:
+    """A YAML file's content, or a ConfigError of one line with file:line. Files over 1 MiB,
+    nesting too deep to parse and aliases that expand too far are refused."""
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path}: {size:,} bytes; a config has at most 1 MiB")
+        text = path.read_text(encoding="utf-8")
+        return yaml.load(text, Loader=_BoundedLoader)
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be a config") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not valid UTF-8 ({e.reason})") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
         raise ConfigError(f"{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+
+
+def load_config(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML config, apply `--set` overrides, validate, and make data paths absolute."""
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    raw = read_yaml(path)
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import multiprocessing
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -62,6 +63,14 @@ def translate(
     outputs: list[list[Translation]] = [[empty] * options.n_best for _ in lines]
     todo = [i for i, line in enumerate(lines) if line.strip()]
     src = [[*s, EOS_ID] for s in tokenizer.src.encode([lines[i].strip() for i in todo])]
+    for j, ids in enumerate(src):
+        if len(ids) > options.max_src_len:  # one very long line must not stall the rest
+            print(
+                f"attnmt: warning: input line {todo[j] + 1}: {len(ids) - 1:,} subwords, cut to "
+                f"the first {options.max_src_len - 1:,} (decode.max_src_len)",
+                file=sys.stderr,
+            )
+            src[j] = [*ids[: options.max_src_len - 1], EOS_ID]
     batches = list(sorted_batches([len(s) for s in src], batch_tokens, batch_sentences))
 
     results = _search_batches(_SearchJob(model, src, options, device), batches, workers)
@@ -125,13 +134,27 @@ def _search_batches(
 _FORKED_JOB: _SearchJob | None = None  # in a forked search worker: its job
 
 
-def _start_forked_worker(job: _SearchJob) -> None:
+def _start_forked_worker(job: _SearchJob, parent: int) -> None:
     """Initializer of a forked search worker (fork passes job by memory, nothing pickled)."""
     global _FORKED_JOB
     _FORKED_JOB = job
+    _die_with_parent(parent)
     torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     _keep_freed_memory()
+
+
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel send this worker SIGKILL when its parent ends, however it ends (SIGTERM,
+    kill -9): an orphaned worker would run on and hold the caller's stderr pipe open."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1  # <sys/prctl.h>
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent ended before prctl took effect
+        os._exit(1)
 
 
 def _keep_freed_memory() -> None:
@@ -176,7 +199,7 @@ def _search_in_processes(
 ) -> list[list[list[Hypothesis]]]:
     others = set(multiprocessing.active_children())
     pool = ProcessPoolExecutor(
-        workers, multiprocessing.get_context("fork"), _start_forked_worker, (job,)
+        workers, multiprocessing.get_context("fork"), _start_forked_worker, (job, os.getpid())
     )
     try:
         results = list(pool.map(_search_forked, batches))
@@ -238,6 +261,8 @@ def search_options(
         length_penalty=cfg.length_penalty if length_penalty is None else length_penalty,
         max_len_a=cfg.max_len_a,
         max_len_b=cfg.max_len_b,
+        max_output_len=cfg.max_output_len,
+        max_src_len=cfg.max_src_len,
         n_best=n_best,
         attention=attention,
         scores=n_best > 1,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from attnmt.checkpoint import atomic_write, atomic_write_bytes
 from attnmt.evaluate import Translation
+from attnmt.files import atomic_write, atomic_write_bytes
 
 
 def readable(piece: str) -> str:

@@ -20,8 +20,10 @@ class SearchOptions:
 
     beam: int = 1  # 1: greedy search
     length_penalty: float = 1.0  # GNMT alpha (beam search)
-    max_len_a: float = 1.5  # output limit a * source length + b
+    max_len_a: float = 1.5  # output limit a * source length + b, at most max_output_len
     max_len_b: int = 10
+    max_output_len: int = 1500
+    max_src_len: int = 1000  # source subwords per line (EOS included); translate cuts the rest
     n_best: int = 1  # hypotheses per sentence (beam search; <= beam)
     attention: AttentionSpec | None = None  # return this attention per hypothesis
     # Greedy search only (beam search needs them): compute Hypothesis.score, else NaN.
@@ -36,10 +38,12 @@ class Hypothesis:
     attention: torch.Tensor | None = None  # (steps, S): one row per token, EOS included
 
 
-def max_output_lengths(src_pad_mask: torch.Tensor, a: float, b: int) -> torch.Tensor:
-    """Per-sentence output limit a * source_length + b (EOS included): (B,) long."""
+def max_output_lengths(src_pad_mask: torch.Tensor, options: SearchOptions) -> torch.Tensor:
+    """Per-sentence output limit a * source_length + b, at most max_output_len (EOS
+    included): (B,) long."""
     src_len = (~src_pad_mask).sum(dim=1)  # (B,)
-    return (a * src_len.float()).floor().long() + b
+    limits = (options.max_len_a * src_len.float()).floor().long() + options.max_len_b
+    return limits.clamp(max=options.max_output_len)
 
 
 def length_penalty(length: int | torch.Tensor, alpha: float) -> float | torch.Tensor:
@@ -115,7 +119,7 @@ def greedy_search(
         One hypothesis per sentence; score = summed log-probability.
     """
     B, device = src.size(0), src.device
-    limits = max_output_lengths(src_pad_mask, options.max_len_a, options.max_len_b)  # (B,)
+    limits = max_output_lengths(src_pad_mask, options)  # (B,)
     attention, scores = options.attention, options.scores
     memory = model.encode(src, src_pad_mask)
     state = model.init_state(memory)
@@ -181,7 +185,7 @@ def beam_search(
     attention = options.attention
     assert 1 <= n_best <= K
     B, device = src.size(0), src.device
-    limits = max_output_lengths(src_pad_mask, options.max_len_a, options.max_len_b)  # (B,)
+    limits = max_output_lengths(src_pad_mask, options)  # (B,)
     # One memory row per sentence, shared by its K beams (see attnmt.model).
     memory = model.encode(src, src_pad_mask)
     beams_of = torch.arange(B, device=device).repeat_interleave(K)  # (B * K,)

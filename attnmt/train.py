@@ -28,7 +28,6 @@ from typing import Any, cast
 
 import numpy as np
 import torch
-import yaml
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
@@ -50,7 +49,7 @@ from attnmt.checkpoint import (
     save_weights,
     write_run_files,
 )
-from attnmt.config import Config, from_dict
+from attnmt.config import Config, from_dict, read_yaml
 from attnmt.data import BucketSampler, ParallelText, collate, read_parallel
 from attnmt.errors import (
     CheckpointError,
@@ -248,7 +247,8 @@ def dev_loss(model: Seq2Seq, split: EncodedSplit, batch_tokens: int, device: tor
 
 
 class StopSignals:
-    """SIGINT/SIGTERM: the first asks the loop to checkpoint and stop after the current step;
+    """SIGINT/SIGTERM/SIGHUP (a closed terminal): the first asks the loop to checkpoint and stop
+    after the current step;
     a second one exits at once (every file on disk is already complete, writes are atomic)."""
 
     def __init__(self) -> None:
@@ -262,7 +262,7 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -309,20 +309,21 @@ def train(
 ) -> dict[str, Any]:
     """Train a model from cfg into the model directory `out`; returns a summary."""
     ranks = distributed.ranks_from_env()
-    if ranks.is_main:
-        prepare_output_dir(out, overwrite, resume)
-    device = resolve_device(cfg.train.device)
-    if ranks.world > 1:
-        device = distributed.init(ranks, device)
-        ranks.barrier()  # the model directory exists before any rank reads or writes it
-    log = RunLog(out, quiet, enabled=ranks.is_main)
-    backend = cfg.train.matmul if device.type == "cpu" else "blas"
-    try:
-        with matmul_backend(backend):
-            return train_loop(setup(cfg, out, resume, ranks, device, log))
-    finally:
-        log.close()  # also when training fails: no log file is left open
-        ranks.shutdown()
+    # Rank 0 holds the directory's lock for the whole run: a second trainer is refused.
+    lock = prepare_output_dir(out, overwrite, resume) if ranks.is_main else None
+    with contextlib.closing(lock) if lock else contextlib.nullcontext():
+        device = resolve_device(cfg.train.device)
+        if ranks.world > 1:
+            device = distributed.init(ranks, device)
+            ranks.barrier()  # the model directory exists before any rank reads or writes it
+        log = RunLog(out, quiet, enabled=ranks.is_main)
+        backend = cfg.train.matmul if device.type == "cpu" else "blas"
+        try:
+            with matmul_backend(backend):
+                return train_loop(setup(cfg, out, resume, ranks, device, log))
+        finally:
+            log.close()  # also when training fails: no log file is left open
+            ranks.shutdown()
 
 
 def train_loop(run: Run) -> dict[str, Any]:
@@ -443,7 +444,7 @@ def prepare_data(
         if not text.src:
             raise DataError(f"{path}: no sentence pairs with text on both sides")
     if resuming:
-        saved = yaml.safe_load((out / CONFIG_FILE).read_text(encoding="utf-8"))
+        saved = read_yaml(out / CONFIG_FILE)
         check_resumable(from_dict(saved), cfg)
         tokenizer = Tokenizer.load(out, cfg.tokenizer.joint)
         if ranks.is_main:

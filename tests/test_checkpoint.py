@@ -3,8 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from attnmt.checkpoint import atomic_write_bytes, load_model_dir, prepare_output_dir
+from attnmt.checkpoint import load_model_dir, prepare_output_dir
 from attnmt.errors import CheckpointError
+from attnmt.files import atomic_write_bytes
 
 
 def test_atomic_write_replaces_and_leaves_no_temp(tmp_path: Path):
@@ -16,7 +17,7 @@ def test_atomic_write_replaces_and_leaves_no_temp(tmp_path: Path):
 
 
 def test_atomic_write_failure_keeps_old_file(tmp_path: Path):
-    from attnmt.checkpoint import atomic_write
+    from attnmt.files import WriteError, atomic_write
 
     target = tmp_path / "f.bin"
     atomic_write_bytes(target, b"old")
@@ -25,7 +26,7 @@ def test_atomic_write_failure_keeps_old_file(tmp_path: Path):
         tmp.write_bytes(b"half")
         raise OSError("disk full")
 
-    with pytest.raises(OSError):
+    with pytest.raises(WriteError, match=r"f.bin: cannot write \(disk full; .* MiB free there\)"):
         atomic_write(target, failing)
     assert target.read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["f.bin"]

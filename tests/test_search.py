@@ -92,7 +92,10 @@ def test_16_bit_decoding_runs_in_that_format(trained, precision):
 
 def test_max_output_lengths_and_length_penalty():
     pad = torch.tensor([[False, False, False, True], [False, True, True, True]])
-    assert max_output_lengths(pad, 1.5, 2).tolist() == [6, 3]
+    options = SearchOptions(max_len_a=1.5, max_len_b=2)
+    assert max_output_lengths(pad, options).tolist() == [6, 3]
+    capped = SearchOptions(max_len_a=1.5, max_len_b=2, max_output_len=4)
+    assert max_output_lengths(pad, capped).tolist() == [4, 3]
     assert length_penalty(1, 1.0) == 1.0
     assert length_penalty(7, 1.0) == 2.0
     assert length_penalty(7, 0.0) == 1.0
@@ -194,7 +197,7 @@ def test_batched_beam_equals_reference(trained, K, alpha):
         pad,
         SearchOptions(beam=K, length_penalty=alpha, max_len_a=1.5, max_len_b=5, n_best=K),
     )
-    limits = max_output_lengths(pad, 1.5, 5)
+    limits = max_output_lengths(pad, SearchOptions(max_len_a=1.5, max_len_b=5))
     for i in range(0, src.size(0), 3):
         n = int((~pad[i]).sum())
         ref = reference_beam(
@@ -208,7 +211,7 @@ def test_batched_beam_equals_reference(trained, K, alpha):
 def test_cached_and_uncached_greedy_agree(trained):
     model, _, src, pad = trained
     cached = greedy_search(model, src, pad, SearchOptions(max_len_a=1.5, max_len_b=5))
-    limits = max_output_lengths(pad, 1.5, 5)
+    limits = max_output_lengths(pad, SearchOptions(max_len_a=1.5, max_len_b=5))
     for i in range(0, src.size(0), 2):
         n = int((~pad[i]).sum())
         tokens: list[int] = []

@@ -1,0 +1,124 @@
+"""Writing files so that they are complete or absent, and every write error is reported.
+
+A file is written to a temporary name in its own directory, fsynced, then renamed into place:
+a crash, a kill -9 or a full disk never leaves a half-written file under the real name.
+Standard output cannot be renamed; it is written with checked system calls (and fsynced
+when it is a regular file, where a full disk may show only then), so that a short write is
+an error, never a silent truncation.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import shutil
+import stat
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from attnmt.errors import AttnmtError
+
+
+class WriteError(AttnmtError):
+    """A file or standard output could not be written (full disk, permissions, ...)."""
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def file_mode() -> int:
+    """The mode a new file gets from open(): 0o666 less the umask (mkstemp's is 0o600, which
+    would keep a model directory from being shared with a group)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def free_space(path: Path) -> str:
+    """How much room is left on path's file system, for error messages."""
+    try:
+        return f"{shutil.disk_usage(path).free / 2**20:,.0f} MiB free there"
+    except OSError:
+        return "free space unknown"
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__
+
+
+def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
+    """Call write(tmp_path), fsync the file, rename it to path, fsync the directory.
+
+    Any failure (the writer's, a full disk's) removes the temporary file, leaves a file
+    already at path as it was, and raises WriteError naming path and the free space.
+    """
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise WriteError(f"{path}: cannot write ({_reason(e)})") from None
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.chmod(tmp, file_mode())  # after write: a writer may have replaced the file
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except Exception as e:  # the writer's own errors too (SafetensorError, torch's)
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, AttnmtError):
+            raise
+        raise WriteError(f"{path}: cannot write ({_reason(e)}; {free_space(path.parent)})") from e
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    atomic_write(path, lambda tmp: tmp.write_bytes(data))
+
+
+def check_output_path(path: Path, option: str) -> None:
+    """Fail now, before any work, if `option`'s file could not be created at path."""
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise WriteError(f"{option} {path}: is a directory")
+    if not parent.is_dir():
+        raise WriteError(f"{option} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise WriteError(f"{option} {path}: cannot write in {parent} (permission denied)")
+
+
+def write_stdout(text: str) -> None:
+    """Write text to standard output in full, or raise WriteError. A closed pipe (`| head`)
+    ends the program quietly with status 141, as a shell tool killed by SIGPIPE does."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, io.UnsupportedOperation):  # replaced, as in tests
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    try:
+        sys.stdout.flush()
+        view = memoryview(text.encode("utf-8"))
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.fsync(fd)  # a full disk may show only here
+    except OSError as e:
+        if e.errno == errno.EPIPE:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), fd)  # no second error at exit
+            raise SystemExit(141) from None
+        raise WriteError(f"cannot write to standard output ({_reason(e)})") from None
