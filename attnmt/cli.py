@@ -398,7 +398,7 @@ def main() -> None:
     """Entry point: run the app; a user error (ours or a usage error) is one line and exit
     code 2, an interrupt one line and 128 + the signal's number, never a traceback."""
     try:
-        code = app(standalone_mode=False)  # errors come here, not to Typer's boxes
+        code = app(standalone_mode=False, prog_name="attnmt")  # errors here, not in Typer's boxes
     except AttnmtError as e:
         _fail(str(e))
     except TrainingInterrupted as e:
