@@ -20,6 +20,7 @@ from attnmt.config import DecodeConfig
 from attnmt.data import pad_sequences, sorted_batches
 from attnmt.errors import AttnmtError
 from attnmt.kernels import PRECISION_DTYPES
+from attnmt.processes import die_with_parent
 from attnmt.search import Hypothesis, SearchOptions, beam_search, greedy_search
 from attnmt.seq2seq import AttentionSpec, Seq2Seq
 from attnmt.tokenizer import EOS_ID, PAD_ID, Tokenizer
@@ -138,23 +139,10 @@ def _start_forked_worker(job: _SearchJob, parent: int) -> None:
     """Initializer of a forked search worker (fork passes job by memory, nothing pickled)."""
     global _FORKED_JOB
     _FORKED_JOB = job
-    _die_with_parent(parent)
+    die_with_parent(parent)
     torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     _keep_freed_memory()
-
-
-def _die_with_parent(parent: int) -> None:
-    """Have the kernel send this worker SIGKILL when its parent ends, however it ends (SIGTERM,
-    kill -9): an orphaned worker would run on and hold the caller's stderr pipe open."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1  # <sys/prctl.h>
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the parent ended before prctl took effect
-        os._exit(1)
 
 
 def _keep_freed_memory() -> None:

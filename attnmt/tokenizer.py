@@ -10,6 +10,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 from attnmt.errors import CheckpointError, ConfigError, DataError
+from attnmt.processes import run_in_child
 
 # Fixed ids so that the model, the batcher and both vocabularies agree without a lookup.
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -113,15 +114,20 @@ class Tokenizer:
         model_type: str = "unigram",
         character_coverage: float = 1.0,
     ) -> Tokenizer:
-        if joint:
-            proto = train_sentencepiece(
-                [*src_lines, *tgt_lines], vocab_size, model_type, character_coverage
+        """Train the SentencePiece model(s), each in a child process (processes.run_in_child:
+        Ctrl-C does not wait for the C++ trainer)."""
+
+        def trained(lines: Sequence[str]) -> SubwordVocab:
+            return SubwordVocab(
+                run_in_child(
+                    lambda: train_sentencepiece(lines, vocab_size, model_type, character_coverage)
+                )
             )
-            vocab = SubwordVocab(proto)
+
+        if joint:
+            vocab = trained([*src_lines, *tgt_lines])
             return cls(vocab, vocab)
-        src = train_sentencepiece(src_lines, vocab_size, model_type, character_coverage)
-        tgt = train_sentencepiece(tgt_lines, vocab_size, model_type, character_coverage)
-        return cls(SubwordVocab(src), SubwordVocab(tgt))
+        return cls(trained(src_lines), trained(tgt_lines))
 
     def files(self) -> dict[str, bytes]:
         """File name -> content, for the model directory."""

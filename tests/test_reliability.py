@@ -348,3 +348,44 @@ def test_a_long_line_is_cut_with_a_warning(model: Path, run_cli):
     assert r.code == 0, r.stderr
     assert len(r.stdout.splitlines()) == 2
     assert "input line 2:" in r.stderr and "cut to the first 7 (decode.max_src_len)" in r.stderr
+
+
+def test_work_in_a_child_returns_its_bytes_and_errors():
+    from attnmt.errors import ConfigError
+    from attnmt.processes import run_in_child
+
+    assert run_in_child(lambda: b"spm" * 1000) == b"spm" * 1000
+
+    def refused() -> bytes:
+        raise ConfigError("tokenizer.vocab_size = 3 is too small")
+
+    with pytest.raises(ConfigError, match="vocab_size = 3 is too small"):
+        run_in_child(refused)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork")
+def test_ctrl_c_does_not_wait_for_work_in_a_child():
+    """C code that holds on to the thread (a libc sleep standing in for SentencePiece's
+    trainer) runs in a child: the parent's KeyboardInterrupt comes at once, the child dies."""
+    import ctypes
+    import threading
+
+    from attnmt.processes import run_in_child
+
+    pids: list[int] = []
+
+    def work() -> bytes:
+        ctypes.CDLL(None).sleep(30)
+        return b"late"
+
+    def interrupt() -> None:
+        pids.extend(_children(os.getpid()))
+        os.kill(os.getpid(), signal.SIGINT)
+
+    timer = threading.Timer(1.0, interrupt)
+    start = time.time()
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        run_in_child(work)
+    assert time.time() - start < 10
+    assert pids and not any(map(_alive, pids))
