@@ -24,6 +24,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -208,6 +209,7 @@ def _clear_or_reuse(out: Path, overwrite: bool, resume: bool) -> None:
         if (out / CKPT_DIR).is_dir():
             for f in (out / CKPT_DIR).iterdir():
                 f.unlink()
+        shutil.rmtree(out / "encoded", ignore_errors=True)  # attnmt.store's STORE_DIR
     if resume:
         # Temporary files of saves that a crash interrupted; the real files were never touched.
         for d in (out, out / CKPT_DIR):

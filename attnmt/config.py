@@ -32,6 +32,7 @@ class DataConfig(_Section):
     dev: SplitConfig
     test: SplitConfig | None = None
     max_len: int = Field(100, ge=1, le=100_000)
+    workers: int = Field(0, ge=0, le=256)  # encoding processes; 0: the cores available
 
 
 class TokenizerConfig(_Section):

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from attnmt.errors import DataError
@@ -167,6 +168,42 @@ def token_batches(
     return batches
 
 
+class EpochBatches:
+    """An epoch's batches as one index array cut at boundaries: batch b is
+    order[bounds[b]:bounds[b + 1]] (10 M pairs take 80 MB here, not Python lists of ints)."""
+
+    def __init__(self, order: np.ndarray, bounds: np.ndarray) -> None:
+        self.order, self.bounds = order, bounds
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def __getitem__(self, b: int) -> list[int]:
+        return self.order[self.bounds[b] : self.bounds[b + 1]].tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return (self[b] for b in range(len(self)))
+
+    def as_lists(self) -> list[list[int]]:
+        return [self[b] for b in range(len(self))]
+
+
+def _cut_sorted(lengths: np.ndarray, batch_tokens: int, max_sentences: int | None) -> list[int]:
+    """token_batches over lengths sorted ascending, vectorised: the longest of a batch is its
+    last, so batch [i, i + k) fits while lengths[i + k - 1] * k <= batch_tokens, and that
+    product only grows with k. Returns the batch sizes (each at least 1)."""
+    sizes = []
+    i, n = 0, len(lengths)
+    cap = min(batch_tokens, max_sentences or batch_tokens)  # rows of length >= 1
+    while i < n:
+        window = lengths[i : i + cap]  # (w,)
+        fits = window * np.arange(1, len(window) + 1) <= batch_tokens
+        k = max(1, int(np.argmin(fits)) if not fits.all() else len(window))
+        sizes.append(k)
+        i += k
+    return sizes
+
+
 class BucketSampler:
     """Length-bucketed token batches, reshuffled each epoch from (seed, epoch) alone.
 
@@ -176,43 +213,48 @@ class BucketSampler:
     `bucket_batches` batches' worth of pairs by (longer side, target), so neighbours have
     similar lengths on both sides and padding stays low, cut into batches, and shuffle the
     batch order. Because the order is a pure function of (seed, epoch), a run can be resumed
-    at any batch of any epoch.
+    at any batch of any epoch. Lengths are NumPy arrays and the work vectorised (no Python
+    object per pair).
     """
 
     def __init__(
         self,
-        src_lengths: Sequence[int],
-        tgt_lengths: Sequence[int],
+        src_lengths: Sequence[int] | np.ndarray,
+        tgt_lengths: Sequence[int] | np.ndarray,
         batch_tokens: int,
         seed: int,
         bucket_batches: int = 100,
         max_sentences: int | None = None,
     ) -> None:
-        self.tgt_lengths = list(tgt_lengths)
-        self.lengths = [max(s, t) for s, t in zip(src_lengths, tgt_lengths, strict=True)]
+        self.tgt_lengths = np.asarray(tgt_lengths, dtype=np.int64)
+        self.lengths = np.maximum(np.asarray(src_lengths, dtype=np.int64), self.tgt_lengths)
         self.batch_tokens = batch_tokens
         self.seed = seed
         self.bucket_batches = bucket_batches
         self.max_sentences = max_sentences
 
-    def epoch(self, epoch: int) -> list[list[int]]:
+    def epoch(self, epoch: int) -> EpochBatches:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         n = len(self.lengths)
-        perm = torch.randperm(n, generator=g).tolist()
-        mean_len = max(1, sum(self.lengths) // max(1, n))
+        perm = torch.randperm(n, generator=g).numpy()
+        mean_len = max(1, int(self.lengths.sum()) // max(1, n))
         per_batch = self.batch_tokens // mean_len
         if self.max_sentences is not None:
             per_batch = min(per_batch, self.max_sentences)
         chunk = max(1, self.bucket_batches * per_batch)
-        batches: list[list[int]] = []
+        order, sizes = np.empty(n, dtype=np.int64), []
         for start in range(0, n, chunk):
-            part = sorted(
-                perm[start : start + chunk],
-                key=lambda i: (self.lengths[i], self.tgt_lengths[i]),
-            )
-            batches.extend(token_batches(self.lengths, self.batch_tokens, part, self.max_sentences))
-        shuffle = torch.randperm(len(batches), generator=g).tolist()
-        return [batches[i] for i in shuffle]
+            part = perm[start : start + chunk]
+            part = part[np.lexsort((self.tgt_lengths[part], self.lengths[part]))]  # stable
+            order[start : start + len(part)] = part
+            sizes.extend(_cut_sorted(self.lengths[part], self.batch_tokens, self.max_sentences))
+        if not sizes:
+            return EpochBatches(order, np.zeros(1, dtype=np.int64))
+        bounds = np.concatenate([[0], np.cumsum(sizes)])
+        shuffle = torch.randperm(len(sizes), generator=g).numpy()
+        starts, ends = bounds[:-1][shuffle], bounds[1:][shuffle]
+        new_order = np.concatenate([order[a:b] for a, b in zip(starts, ends, strict=True)])
+        return EpochBatches(new_order, np.concatenate([[0], np.cumsum(ends - starts)]))
 
 
 def sorted_batches(

@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import io
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import sentencepiece as spm
 
-from attnmt.errors import CheckpointError, ConfigError, DataError
+from attnmt.errors import AttnmtError, CheckpointError, ConfigError, DataError
 from attnmt.processes import run_in_child
+from attnmt.store import PairCounts, read_pairs
+
+if TYPE_CHECKING:
+    from attnmt.config import TokenizerConfig
 
 # Fixed ids so that the model, the batcher and both vocabularies agree without a lookup.
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+SAMPLE_SENTENCES = 2_000_000  # SentencePiece trains on at most this many sentences
 
 
 def train_sentencepiece(
@@ -21,15 +27,20 @@ def train_sentencepiece(
     vocab_size: int,
     model_type: str = "unigram",
     character_coverage: float = 1.0,
+    seed: int | None = None,
 ) -> bytes:
     """Train a SentencePiece model in-process and return the serialized model.
 
     The vocabulary size is a soft limit (hard_vocab_limit=False) so that a small corpus gets
     the largest vocabulary it supports instead of an error; one thread keeps it deterministic.
+    With a seed, a corpus of more than SAMPLE_SENTENCES sentences is sampled at random
+    (SentencePiece's reservoir sampling, seeded), not cut after its first ones in file order.
     """
     buf = io.BytesIO()
+    if seed is not None:
+        spm.set_random_generator_seed(seed)
     try:
-        _train(sentences, buf, vocab_size, model_type, character_coverage)
+        _train(sentences, buf, vocab_size, model_type, character_coverage, seed is not None)
     except RuntimeError as e:
         message = str(e)
         need = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", message)
@@ -49,6 +60,7 @@ def _train(
     vocab_size: int,
     model_type: str,
     character_coverage: float,
+    shuffle: bool,
 ) -> None:
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(sentences),
@@ -62,8 +74,8 @@ def _train(
         bos_id=BOS_ID,
         eos_id=EOS_ID,
         num_threads=1,
-        input_sentence_size=2_000_000,
-        shuffle_input_sentence=False,
+        input_sentence_size=SAMPLE_SENTENCES,
+        shuffle_input_sentence=shuffle,
         max_sentence_length=1 << 16,
         minloglevel=2,
     )
@@ -128,6 +140,50 @@ class Tokenizer:
             vocab = trained([*src_lines, *tgt_lines])
             return cls(vocab, vocab)
         return cls(trained(src_lines), trained(tgt_lines))
+
+    @classmethod
+    def train_on_files(
+        cls,
+        src_path: Path,
+        tgt_path: Path,
+        cfg: TokenizerConfig,
+        seed: int,
+    ) -> Tokenizer:
+        """Train on a parallel corpus read as a stream (never held whole; pairs validated as
+        attnmt.store.read_pairs does), sampled with `seed`, each model in a child process."""
+
+        def trained(sides: tuple[int, ...]) -> SubwordVocab:
+            def work() -> bytes:
+                counts, failure = PairCounts(), []
+
+                def sentences() -> Iterator[str]:
+                    try:  # an error must not pass through SentencePiece's C++ reader
+                        for pair in read_pairs(src_path, tgt_path, counts):
+                            yield from (pair[k] for k in sides)
+                    except DataError as e:
+                        failure.append(e)
+
+                try:
+                    proto = train_sentencepiece(
+                        sentences(), cfg.vocab_size, cfg.model_type, cfg.character_coverage, seed
+                    )
+                except AttnmtError:
+                    if not failure and counts.read == counts.empty:
+                        raise DataError(
+                            f"{src_path}: no sentence pairs with text on both sides"
+                        ) from None
+                    if not failure:
+                        raise
+                if failure:
+                    raise failure[0]
+                return proto
+
+            return SubwordVocab(run_in_child(work))
+
+        if cfg.joint:
+            vocab = trained((0, 1))
+            return cls(vocab, vocab)
+        return cls(trained((0,)), trained((1,)))
 
     def files(self) -> dict[str, bytes]:
         """File name -> content, for the model directory."""

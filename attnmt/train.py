@@ -70,6 +70,14 @@ from attnmt.kernels.matmul import active as active_backend
 from attnmt.model import build_model
 from attnmt.schedules import inverse_sqrt_lr, teacher_forcing_ratio, warmup_lr
 from attnmt.seq2seq import Seq2Seq
+from attnmt.store import (
+    STORE_DIR,
+    TokenStore,
+    build_store,
+    check_fingerprint,
+    default_workers,
+    open_store,
+)
 from attnmt.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
 # Keys that may change between a run and its resumption: they do not change what a step computes
@@ -87,6 +95,7 @@ RESUMABLE_KEYS = (
     "train.keep_last",
     "train.max_bad_steps",
     "train.eval_batch_tokens",
+    "data.workers",
     "decode.",
 )
 
@@ -132,18 +141,14 @@ class RunLog:
 
 @dataclass
 class EncodedSplit:
+    """A small split (dev) encoded in memory."""
+
     src: list[list[int]]
     tgt: list[list[int]]
 
 
-def encode_and_filter(
-    text: ParallelText, tokenizer: Tokenizer, max_len: int
-) -> tuple[EncodedSplit, int]:
-    """Encode a split and drop pairs with either side longer than max_len subwords."""
-    src = tokenizer.src.encode(text.src)
-    tgt = tokenizer.tgt.encode(text.tgt)
-    keep = [i for i in range(len(src)) if len(src[i]) <= max_len and len(tgt[i]) <= max_len]
-    return EncodedSplit([src[i] for i in keep], [tgt[i] for i in keep]), len(src) - len(keep)
+def encode_split(text: ParallelText, tokenizer: Tokenizer) -> EncodedSplit:
+    return EncodedSplit(tokenizer.src.encode(text.src), tokenizer.tgt.encode(text.tgt))
 
 
 @dataclass
@@ -281,7 +286,7 @@ class Run:
     device: torch.device
     log: RunLog
     tokenizer: Tokenizer
-    train_data: EncodedSplit
+    train_data: TokenStore
     dev_data: EncodedSplit
     dev_text: ParallelText
     model: Seq2Seq
@@ -394,9 +399,10 @@ def setup(
     optimizer = torch.optim.Adam(  # fused: one kernel for all parameters, not a few per tensor
         model.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay, fused=True
     )
+    src_lengths, tgt_lengths = train_data.lengths()
     sampler = BucketSampler(
-        [len(s) + 1 for s in train_data.src],
-        [len(x) + 1 for x in train_data.tgt],
+        src_lengths + 1,  # + EOS
+        tgt_lengths + 1,
         t.batch_tokens,
         t.seed,
         max_sentences=t.batch_sentences,
@@ -435,52 +441,63 @@ def seed_everything(seed: int) -> torch.Generator:
 
 def prepare_data(
     cfg: Config, out: Path, ranks: distributed.Ranks, resuming: bool, log: RunLog
-) -> tuple[Tokenizer, EncodedSplit, EncodedSplit, ParallelText]:
-    """Read and validate train and dev text, train the tokenizer (rank 0; or load it when
-    resuming), write the run files, and encode both splits."""
-    train_text = read_parallel(cfg.data.train.src, cfg.data.train.tgt)
-    dev_text = read_parallel(cfg.data.dev.src, cfg.data.dev.tgt)
-    for text, path in ((train_text, cfg.data.train.src), (dev_text, cfg.data.dev.src)):
-        if not text.src:
-            raise DataError(f"{path}: no sentence pairs with text on both sides")
+) -> tuple[Tokenizer, TokenStore, EncodedSplit, ParallelText]:
+    """Train the tokenizer on the training files read as a stream (rank 0; loaded when
+    resuming), write the run files, encode the training pairs into the memory-mapped store
+    (rank 0; reused by --resume after checking that the files did not change; the other ranks
+    map it), and read and encode the dev set."""
+    data = cfg.data
+    files = [data.train.src, data.train.tgt, data.dev.src, data.dev.tgt]
+    dev_text = read_parallel(data.dev.src, data.dev.tgt)
+    if not dev_text.src:
+        raise DataError(f"{data.dev.src}: no sentence pairs with text on both sides")
     if resuming:
-        saved = read_yaml(out / CONFIG_FILE)
-        check_resumable(from_dict(saved), cfg)
+        check_resumable(from_dict(read_yaml(out / CONFIG_FILE)), cfg)
+    if ranks.is_main:
+        if resuming:
+            tokenizer = Tokenizer.load(out, cfg.tokenizer.joint)
+        else:
+            tokenizer = Tokenizer.train_on_files(
+                data.train.src, data.train.tgt, cfg.tokenizer, cfg.train.seed
+            )
+        write_run_files(out, cfg, tokenizer)  # on resume: the config's resumable changes
+        store = open_store(out) if resuming else None
+        if store is not None:
+            check_fingerprint(out / STORE_DIR, files)
+        else:
+            protos = (tokenizer.src.proto, tokenizer.tgt.proto)
+            workers = data.workers or default_workers()
+            build_store(out, data.train.src, data.train.tgt, protos, data.max_len, workers, files)
+    ranks.barrier()  # the tokenizer and the store are complete before the others read them
+    if not ranks.is_main:
         tokenizer = Tokenizer.load(out, cfg.tokenizer.joint)
-        if ranks.is_main:
-            write_run_files(out, cfg, tokenizer)  # the config may carry resumable changes
-    elif not ranks.is_main:
-        ranks.barrier()  # rank 0 trains SentencePiece and writes it; the others load it
-        tokenizer = Tokenizer.load(out, cfg.tokenizer.joint)
-    else:
-        tok = cfg.tokenizer
-        tokenizer = Tokenizer.train(
-            train_text.src, train_text.tgt, tok.vocab_size, tok.joint, tok.model_type,
-            tok.character_coverage,
-        )  # fmt: skip
-        write_run_files(out, cfg, tokenizer)
-        ranks.barrier()
-    train_data, too_long = encode_and_filter(train_text, tokenizer, cfg.data.max_len)
-    dev_data, _ = encode_and_filter(dev_text, tokenizer, 1 << 30)
-    if not train_data.src:
+    store = open_store(out)
+    assert store is not None
+    log_data(log, store, dev_text, tokenizer)
+    return tokenizer, store, encode_split(dev_text, tokenizer), dev_text
+
+
+def log_data(log: RunLog, store: TokenStore, dev_text: ParallelText, tokenizer: Tokenizer) -> None:
+    """The `data` event: pair counts of both splits, what was skipped, the vocabularies."""
+    meta, joint = store.meta, " (joint)" if tokenizer.joint else ""
+    if not len(store):
         raise DataError(
-            f"every training pair is longer than data.max_len = {cfg.data.max_len} subwords"
+            f"every training pair is longer than data.max_len = {meta['max_len']} subwords"
         )
     log.event(
         "data",
-        f"train: {len(train_data.src)} pairs ({train_text.skipped_empty} skipped as empty, "
-        f"{too_long} longer than {cfg.data.max_len} subwords) | dev: {len(dev_data.src)} pairs "
-        f"({dev_text.skipped_empty} skipped as empty) | vocab: {len(tokenizer.src)} src, "
-        f"{len(tokenizer.tgt)} tgt{' (joint)' if tokenizer.joint else ''}",
-        train_pairs=len(train_data.src),
-        train_skipped_empty=train_text.skipped_empty,
-        train_skipped_too_long=too_long,
-        dev_pairs=len(dev_data.src),
+        f"train: {len(store)} pairs ({meta['skipped_empty']} skipped as empty, "
+        f"{meta['skipped_too_long']} longer than {meta['max_len']} subwords) | dev: "
+        f"{len(dev_text.src)} pairs ({dev_text.skipped_empty} skipped as empty) | vocab: "
+        f"{len(tokenizer.src)} src, {len(tokenizer.tgt)} tgt{joint}",
+        train_pairs=len(store),
+        train_skipped_empty=meta["skipped_empty"],
+        train_skipped_too_long=meta["skipped_too_long"],
+        dev_pairs=len(dev_text.src),
         dev_skipped_empty=dev_text.skipped_empty,
         src_vocab=len(tokenizer.src),
         tgt_vocab=len(tokenizer.tgt),
     )
-    return tokenizer, train_data, dev_data, dev_text
 
 
 def restore(run: Run, weights_path: Path, state_path: Path) -> None:

@@ -2,6 +2,7 @@ import gzip
 from pathlib import Path
 
 import pytest
+import torch
 
 from attnmt.data import BucketSampler, collate, read_lines, read_parallel, token_batches
 from attnmt.errors import DataError
@@ -65,7 +66,7 @@ def test_sampler_is_deterministic_covers_everything_and_reshuffles():
     tgt = [(i * 7) % 13 + 1 for i in range(200)]
     src = [t + i % 3 for i, t in enumerate(tgt)]  # correlated with tgt, as in real corpora
     s = BucketSampler(src, tgt, batch_tokens=40, seed=3, bucket_batches=4)
-    e1, e1_again, e2 = s.epoch(1), s.epoch(1), s.epoch(2)
+    e1, e1_again, e2 = s.epoch(1).as_lists(), s.epoch(1).as_lists(), s.epoch(2).as_lists()
     assert e1 == e1_again
     assert e1 != e2
     assert sorted(i for b in e1 for i in b) == list(range(200))
@@ -77,6 +78,33 @@ def test_sampler_is_deterministic_covers_everything_and_reshuffles():
     # A batch's size counts the longer side of each pair.
     longer = [max(s_, t) for s_, t in zip(src, tgt, strict=True)]
     assert all(len(b) == 1 or max(longer[i] for i in b) * len(b) <= 40 for b in e1)
+
+
+def _reference_epoch(s: BucketSampler, epoch: int) -> list[list[int]]:
+    """The sampler's epoch as plain Python: sort each chunk, cut with token_batches."""
+    g = torch.Generator().manual_seed(s.seed * 1_000_003 + epoch)
+    lengths, tgt = s.lengths.tolist(), s.tgt_lengths.tolist()
+    perm = torch.randperm(len(lengths), generator=g).tolist()
+    per_batch = s.batch_tokens // max(1, sum(lengths) // len(lengths))
+    if s.max_sentences is not None:
+        per_batch = min(per_batch, s.max_sentences)
+    chunk, batches = max(1, s.bucket_batches * per_batch), []
+    for start in range(0, len(perm), chunk):
+        part = sorted(perm[start : start + chunk], key=lambda i: (lengths[i], tgt[i]))
+        batches.extend(token_batches(lengths, s.batch_tokens, part, s.max_sentences))
+    return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
+
+
+@pytest.mark.parametrize("max_sentences", [None, 5])
+def test_vectorised_sampler_equals_the_plain_one(max_sentences):
+    g = torch.Generator().manual_seed(0)
+    src = torch.randint(1, 30, (3000,), generator=g).tolist()
+    noise = torch.randint(-3, 4, (3000,), generator=g).tolist()
+    tgt = [max(1, x + d) for x, d in zip(src, noise, strict=True)]
+    src[7] = 500  # longer than a batch: a batch of its own
+    s = BucketSampler(src, tgt, 120, seed=5, bucket_batches=3, max_sentences=max_sentences)
+    for epoch in (1, 2):
+        assert s.epoch(epoch).as_lists() == _reference_epoch(s, epoch)
 
 
 def test_sampler_caps_sentences_per_batch():

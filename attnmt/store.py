@@ -1,0 +1,324 @@
+"""The encoded training corpus: read once as a stream, encoded in parallel, kept on disk as
+memory-mapped token arrays in `MODEL_DIR/encoded/`, which training and every `--resume`
+(and every DDP rank) map instead of reading the text again.
+
+    encoded/meta.json              counts, token dtype, and the fingerprint of the files read
+    encoded/{src,tgt}.tokens       the pairs' token ids, one after another (uint16 or uint32)
+    encoded/{src,tgt}.offsets      int64, pair i's tokens are tokens[off[i]:off[i + 1]]
+
+Memory: the text is never held whole (a chunk of pairs at a time per worker), and training
+holds two int32 length arrays plus the pages of the map that batches touch. translate and eval
+never read `encoded/` (a shipped model can leave it out).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from attnmt.errors import DataError
+from attnmt.files import atomic_write_bytes, fsync_dir
+
+STORE_DIR = "encoded"
+STORE_FORMAT = 1
+CHUNK_PAIRS = 20_000  # pairs a worker encodes at a time
+
+
+def _open(path: Path) -> IO[bytes]:
+    if not path.exists():
+        raise DataError(f"file not found: {path}")
+    try:
+        return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def _lines(path: Path) -> Iterator[str]:
+    """path's lines, decoded as UTF-8 (DataError with file:line otherwise); only '\\n' ends a
+    line (a trailing '\\r' is dropped), as data.decode_lines."""
+    with _open(path) as f:
+        try:
+            for i, raw in enumerate(f, start=1):
+                raw = raw[:-1] if raw.endswith(b"\n") else raw
+                raw = raw[:-1] if raw.endswith(b"\r") else raw
+                try:
+                    yield raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(
+                        f"{path}:{i}: not valid UTF-8 "
+                        f"(byte {raw[e.start]:#04x} at column {e.start + 1})"
+                    ) from None
+        except (OSError, EOFError) as e:
+            raise DataError(f"cannot read {path}: {e}") from None
+
+
+@dataclass
+class PairCounts:
+    read: int = 0  # pairs read
+    empty: int = 0  # skipped: a side empty or whitespace
+
+
+def read_pairs(
+    src_path: Path, tgt_path: Path, counts: PairCounts | None = None
+) -> Iterator[tuple[str, str]]:
+    """Stream the (source, target) pairs with text on both sides, stripped; pairs are never
+    shifted (line i with line i). Files of different lengths are a DataError naming both
+    counts, found when the shorter one ends."""
+    counts = counts if counts is not None else PairCounts()
+    src, tgt = _lines(src_path), _lines(tgt_path)
+    for s in src:
+        t = next(tgt, None)
+        if t is None:
+            n = counts.read + 1 + sum(1 for _ in src)
+            raise DataError(
+                f"line counts differ: {src_path} has {n} lines, {tgt_path} has {counts.read}"
+            )
+        counts.read += 1
+        s, t = s.strip(), t.strip()
+        if s and t:
+            yield s, t
+        else:
+            counts.empty += 1
+    rest = sum(1 for _ in tgt)
+    if rest:
+        raise DataError(
+            f"line counts differ: {src_path} has {counts.read} lines, "
+            f"{tgt_path} has {counts.read + rest}"
+        )
+
+
+def fingerprint(paths: list[Path]) -> list[dict[str, Any]]:
+    """What the store was built from: each file's path, size and SHA-256 (of its bytes)."""
+    found = []
+    for path in paths:
+        h = hashlib.sha256()
+        with _open_raw(path) as f:
+            while block := f.read(1 << 20):
+                h.update(block)
+        found.append({"path": str(path), "size": path.stat().st_size, "sha256": h.hexdigest()})
+    return found
+
+
+def _open_raw(path: Path) -> IO[bytes]:
+    try:
+        return open(path, "rb")
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def check_fingerprint(store: Path, files: list[Path]) -> None:
+    """Refuse (one line naming the file) when a file differs from what the store was built
+    from: resuming over other data would continue at the old batch positions in new pairs."""
+    recorded = json.loads((store / "meta.json").read_text(encoding="utf-8"))["fingerprint"]
+    if [r["path"] for r in recorded] != [str(p) for p in files]:
+        raise DataError(
+            f"--resume: the run was trained on {', '.join(r['path'] for r in recorded)}, not on "
+            f"{', '.join(map(str, files))}"
+        )
+    for r, now in zip(recorded, fingerprint(files), strict=True):
+        if r["sha256"] != now["sha256"]:
+            raise DataError(
+                f"{r['path']}: changed since the run started (size {r['size']:,} -> "
+                f"{now['size']:,} bytes, content hash differs); train into a new directory"
+            )
+
+
+# --- encoding in worker processes ---
+
+_VOCABS: tuple[Any, Any] | None = None  # in a worker: the (src, tgt) SentencePiece processors
+
+
+def _start_worker(src_proto: bytes, tgt_proto: bytes, parent: int) -> None:
+    import sentencepiece as spm
+
+    from attnmt.processes import die_with_parent
+
+    global _VOCABS
+    die_with_parent(parent)
+    _VOCABS = tuple(spm.SentencePieceProcessor(model_proto=p) for p in (src_proto, tgt_proto))
+
+
+def _encode_side(lines: list[str], vocab: Any, dtype: type) -> tuple[np.ndarray, np.ndarray]:
+    ids = vocab.encode(lines)
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    flat = np.fromiter((i for seq in ids for i in seq), dtype=dtype, count=int(lengths.sum()))
+    return flat, lengths
+
+
+def _encode_chunk(job: tuple[list[tuple[str, str]], int, type]) -> tuple[np.ndarray, ...]:
+    """Encode a chunk of pairs; drop those with a side longer than max_len subwords. Returns
+    (src tokens, src lengths, tgt tokens, tgt lengths) of the kept pairs."""
+    pairs, max_len, dtype = job
+    assert _VOCABS is not None
+    src, src_len = _encode_side([s for s, _ in pairs], _VOCABS[0], dtype)
+    tgt, tgt_len = _encode_side([t for _, t in pairs], _VOCABS[1], dtype)
+    keep = (src_len <= max_len) & (tgt_len <= max_len)
+    if keep.all():
+        return src, src_len, tgt, tgt_len
+    return (
+        src[np.repeat(keep, src_len)], src_len[keep], tgt[np.repeat(keep, tgt_len)], tgt_len[keep]
+    )  # fmt: skip
+
+
+def _chunks(pairs: Iterator[tuple[str, str]], size: int) -> Iterator[list[tuple[str, str]]]:
+    chunk: list[tuple[str, str]] = []
+    for pair in pairs:
+        chunk.append(pair)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+class _Writer:
+    """Appends encoded chunks to the store's token and offset files."""
+
+    def __init__(self, directory: Path) -> None:
+        self.files = {
+            name: open(directory / name, "wb")  # noqa: SIM115 (closed in close)
+            for name in ("src.tokens", "src.offsets", "tgt.tokens", "tgt.offsets")
+        }
+        self.ends = {"src": 0, "tgt": 0}
+        self.pairs = 0
+        for side in self.ends:
+            self.files[f"{side}.offsets"].write(np.zeros(1, np.int64).tobytes())
+
+    def add(self, src: np.ndarray, src_len: np.ndarray, tgt: np.ndarray, tgt_len: np.ndarray):
+        for side, tokens, lengths in (("src", src, src_len), ("tgt", tgt, tgt_len)):
+            self.files[f"{side}.tokens"].write(tokens.tobytes())
+            offsets = self.ends[side] + np.cumsum(lengths, dtype=np.int64)
+            self.files[f"{side}.offsets"].write(offsets.tobytes())
+            self.ends[side] = int(offsets[-1]) if len(offsets) else self.ends[side]
+        self.pairs += len(src_len)
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+
+
+def default_workers() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def build_store(
+    out: Path,
+    src_path: Path,
+    tgt_path: Path,
+    protos: tuple[bytes, bytes],
+    max_len: int,
+    workers: int,
+    fingerprinted: list[Path],
+) -> dict[str, Any]:
+    """Encode the training pairs into out/encoded/ (built beside it, renamed when complete)
+    and return its metadata, with the fingerprint of the files `fingerprinted` (the training
+    files, and any others a resume must find unchanged). Workers are forked processes (a
+    SentencePiece processor each); at most 2 chunks per worker are in flight, so memory stays
+    bounded."""
+    store, tmp = out / STORE_DIR, out / f".{STORE_DIR}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    vocab = max(_vocab_size(p) for p in protos)
+    dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
+    counts, writer = PairCounts(), _Writer(tmp)
+    jobs = (
+        (c, max_len, dtype) for c in _chunks(read_pairs(src_path, tgt_path, counts), CHUNK_PAIRS)
+    )
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(workers, _start_worker, (*protos, os.getpid())) as pool:
+        pending: deque[Any] = deque()
+        for job in jobs:
+            pending.append(pool.apply_async(_encode_chunk, (job,)))
+            while len(pending) > 2 * workers or (pending and pending[0].ready()):
+                writer.add(*pending.popleft().get())
+        while pending:
+            writer.add(*pending.popleft().get())
+    writer.close()
+    meta = {
+        "format": STORE_FORMAT,
+        "dtype": np.dtype(dtype).name,
+        "pairs": writer.pairs,
+        "read": counts.read,
+        "skipped_empty": counts.empty,
+        "skipped_too_long": counts.read - counts.empty - writer.pairs,
+        "max_len": max_len,
+        "fingerprint": fingerprint(fingerprinted),
+    }
+    atomic_write_bytes(tmp / "meta.json", json.dumps(meta, indent=2).encode())
+    shutil.rmtree(store, ignore_errors=True)
+    os.replace(tmp, store)
+    fsync_dir(out)
+    return meta
+
+
+def _vocab_size(proto: bytes) -> int:
+    import sentencepiece as spm
+
+    return spm.SentencePieceProcessor(model_proto=proto).get_piece_size()
+
+
+class _Side:
+    """One side of the store as a sequence of token-id lists (what collate takes)."""
+
+    def __init__(self, tokens: np.ndarray, offsets: np.ndarray) -> None:
+        self.tokens, self.offsets = tokens, offsets
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> list[int]:
+        return self.tokens[self.offsets[i] : self.offsets[i + 1]].tolist()
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets).astype(np.int32)
+
+
+class TokenStore:
+    """The encoded training pairs, memory-mapped: `src[i]`, `tgt[i]` are token-id lists."""
+
+    def __init__(self, directory: Path) -> None:
+        self.meta = json.loads((directory / "meta.json").read_text(encoding="utf-8"))
+        sides = {}
+        for side in ("src", "tgt"):
+            path = directory / f"{side}.tokens"
+            tokens = (
+                np.memmap(path, dtype=self.meta["dtype"], mode="r")
+                if path.stat().st_size
+                else np.zeros(0, self.meta["dtype"])  # no pairs: an empty file cannot be mapped
+            )
+            offsets = np.memmap(directory / f"{side}.offsets", dtype=np.int64, mode="r")
+            sides[side] = _Side(tokens, offsets)
+        self.src, self.tgt = sides["src"], sides["tgt"]
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    def lengths(self) -> tuple[np.ndarray, np.ndarray]:
+        """(source, target) lengths in subwords, int32."""
+        return self.src.lengths(), self.tgt.lengths()
+
+
+def open_store(out: Path) -> TokenStore | None:
+    """The complete store in out, or None when there is none (or an unreadable one)."""
+    try:
+        store = TokenStore(out / STORE_DIR)
+    except (OSError, ValueError, KeyError):
+        return None
+    return store if store.meta.get("format") == STORE_FORMAT else None
