@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import io
+import itertools
+import math
+import random
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -27,20 +30,16 @@ def train_sentencepiece(
     vocab_size: int,
     model_type: str = "unigram",
     character_coverage: float = 1.0,
-    seed: int | None = None,
 ) -> bytes:
     """Train a SentencePiece model in-process and return the serialized model.
 
     The vocabulary size is a soft limit (hard_vocab_limit=False) so that a small corpus gets
     the largest vocabulary it supports instead of an error; one thread keeps it deterministic.
-    With a seed, a corpus of more than SAMPLE_SENTENCES sentences is sampled at random
-    (SentencePiece's reservoir sampling, seeded), not cut after its first ones in file order.
+    It reads at most SAMPLE_SENTENCES sentences (Tokenizer.train_on_files samples them).
     """
     buf = io.BytesIO()
-    if seed is not None:
-        spm.set_random_generator_seed(seed)
     try:
-        _train(sentences, buf, vocab_size, model_type, character_coverage, seed is not None)
+        _train(sentences, buf, vocab_size, model_type, character_coverage)
     except RuntimeError as e:
         message = str(e)
         need = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", message)
@@ -60,7 +59,6 @@ def _train(
     vocab_size: int,
     model_type: str,
     character_coverage: float,
-    shuffle: bool,
 ) -> None:
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(sentences),
@@ -75,10 +73,27 @@ def _train(
         eos_id=EOS_ID,
         num_threads=1,
         input_sentence_size=SAMPLE_SENTENCES,
-        shuffle_input_sentence=shuffle,
+        shuffle_input_sentence=False,
         max_sentence_length=1 << 16,
         minloglevel=2,
     )
+
+
+def reservoir_sample(items: Iterator[str], k: int, rng: random.Random) -> list[str]:
+    """A uniform random sample of k items (all of them, in order, when there are at most k),
+    reading the iterator to its end once: Li's Algorithm L, which draws random numbers only
+    for the items it takes (about k log(n / k)), not one per item."""
+    sample = list(itertools.islice(items, k))
+    if len(sample) < k:
+        return sample
+    w = math.exp(math.log(1.0 - rng.random()) / k)
+    while True:
+        skip = math.floor(math.log(1.0 - rng.random()) / math.log(1.0 - w))
+        taken = next(itertools.islice(items, skip, skip + 1), None)
+        if taken is None:
+            return sample
+        sample[rng.randrange(k)] = taken
+        w *= math.exp(math.log(1.0 - rng.random()) / k)
 
 
 class SubwordVocab:
@@ -163,9 +178,10 @@ class Tokenizer:
                     except DataError as e:
                         failure.append(e)
 
+                sample = reservoir_sample(sentences(), SAMPLE_SENTENCES, random.Random(seed))
                 try:
                     proto = train_sentencepiece(
-                        sentences(), cfg.vocab_size, cfg.model_type, cfg.character_coverage, seed
+                        sample, cfg.vocab_size, cfg.model_type, cfg.character_coverage
                     )
                 except AttnmtError:
                     if not failure and counts.read == counts.empty:
