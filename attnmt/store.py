@@ -19,6 +19,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -232,6 +233,7 @@ def build_store(
     files, and any others a resume must find unchanged). Workers are forked processes (a
     SentencePiece processor each); at most 2 chunks per worker are in flight, so memory stays
     bounded."""
+    start = time.time()
     store, tmp = out / STORE_DIR, out / f".{STORE_DIR}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -259,6 +261,8 @@ def build_store(
         "skipped_empty": counts.empty,
         "skipped_too_long": counts.read - counts.empty - writer.pairs,
         "max_len": max_len,
+        "workers": workers,
+        "encode_seconds": round(time.time() - start, 3),
         "fingerprint": fingerprint(fingerprinted),
     }
     atomic_write_bytes(tmp / "meta.json", json.dumps(meta, indent=2).encode())

@@ -4,6 +4,7 @@
     python scripts/bench.py train [--data DIR] [--steps 200] [--warmup 50] [--configs T,R]
                                   [--threads 2] [--procs 1] [--dev-sentences 500]
                                   [--set KEY=VALUE ...]
+    python scripts/bench.py data [--pairs 1000000] [--steps 20] [--tatoeba TSV] [--work DIR]
     python scripts/bench.py decode --model DIR [--model DIR ...] [--data DIR] [--runs N]
                                    [--beams 1,5] [--batch-sentences 64] [--max-len 60]
                                    [--threads 2] [--workers 1[,2]] [--precision fp32]
@@ -18,6 +19,9 @@ length, and BLEU/chrF with sacreBLEU signatures. --workers 2 searches two batche
 in its own forked process on one of the 2 threads (`attnmt translate --workers`); --precision
 bf16 or fp16 decodes with the weights in that format (`attnmt translate --precision`).
 --matmul auto|blas|onednn picks the CPU fp32 matmul library (`attnmt translate --matmul`).
+
+data: see scripts/bench_data.py (a synthetic corpus of --pairs pairs from Tatoeba: time and
+memory from the text to the first steps, and a resume's start-up).
 
 train: trains each config under test (T: Transformer 3+3, d256, 4 heads, FF 1024, ~4,096-token
 batches; R: bi-GRU 256 per direction + GRU decoder with Bahdanau attention, 64 sentences per
@@ -313,8 +317,20 @@ def main() -> int:
     t.add_argument(
         "--set", action="append", default=[], help="extra config override, e.g. train.compile=true"
     )
+    g = sub.add_parser("data", help="a large synthetic corpus: encoding, memory, resume")
+    g.add_argument("--pairs", type=int, default=1_000_000, help="synthetic training pairs")
+    g.add_argument("--steps", type=int, default=20, help="training steps")
+    g.add_argument(
+        "--tatoeba", type=Path, default=Path("../shared/data/tatoeba/fra-eng.tsv.gz"),
+        help="English<TAB>French pairs to build the corpus from",
+    )  # fmt: skip
+    g.add_argument("--work", type=Path, default=Path("runs/bench-data"), help="where to build")
     args = ap.parse_args()
-    if args.what == "decode":
+    if args.what == "data":
+        from bench_data import bench_data
+
+        bench_data(args)
+    elif args.what == "decode":
         bench_decode(args)
     elif args.what == "train":
         if not 0 <= args.warmup < args.steps:

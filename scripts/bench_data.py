@@ -1,0 +1,131 @@
+"""`scripts/bench.py data`: training on a large synthetic corpus, from the text to the first
+steps, and a resume.
+
+Builds a corpus of --pairs pairs from Tatoeba's English-French pairs (each synthetic pair is
+one to three random Tatoeba pairs joined, seeded), then runs `attnmt train` on it in a child
+process (a small Transformer, --steps steps, 8,000-piece joint vocabulary) and samples the
+resident memory of the child and its worker processes every 0.1 s. Prints one JSON line:
+pairs, text MB, seconds to the `data` event (SentencePiece + encoding), encode pairs/s (from
+the store), peak RSS (MB, the process tree's sum) before the data event and during training,
+and the start-up seconds of a `--resume` (until its `model` event; no re-encoding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+
+def make_corpus(tsv: Path, pairs: int, out: Path, seed: int = 0) -> dict[str, Path]:
+    """train.{en,fr} of `pairs` synthetic pairs and dev.{en,fr} of 500, from Tatoeba."""
+    with gzip.open(tsv, "rt", encoding="utf-8") as f:
+        rows = [line.rstrip("\n").split("\t")[:2] for line in f]
+    rows = [r for r in rows if len(r) == 2 and r[0] and r[1]]
+    rng = random.Random(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for split, n in (("train", pairs), ("dev", 500)):
+        files[f"{split}_en"], files[f"{split}_fr"] = out / f"{split}.en", out / f"{split}.fr"
+        with open(files[f"{split}_en"], "w") as en, open(files[f"{split}_fr"], "w") as fr:
+            for _ in range(n):
+                picked = [rows[rng.randrange(len(rows))] for _ in range(rng.randint(1, 3))]
+                en.write(" ".join(p[0] for p in picked) + "\n")
+                fr.write(" ".join(p[1] for p in picked) + "\n")
+    return files
+
+
+def tree_rss_mb(pid: int) -> float:
+    """Resident memory of pid and its descendants, MB."""
+    parents: dict[int, int] = {}
+    rss: dict[int, int] = {}
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(
+                line.split(":", 1) for line in status.read_text().splitlines() if ":" in line
+            )
+        except OSError:
+            continue
+        p = int(status.parent.name)
+        parents[p] = int(fields["PPid"])
+        rss[p] = int(fields.get("VmRSS", "0 kB").split()[0])
+    tree, grew = {pid}, True
+    while grew:
+        more = {p for p, pp in parents.items() if pp in tree} - tree
+        grew, tree = bool(more), tree | more
+    return sum(rss.get(p, 0) for p in tree) / 1024
+
+
+def events(log: Path) -> list[dict]:
+    try:
+        return [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+def watch(cmd: list[str], log: Path, until: str, skip: int = 0) -> dict[str, float]:
+    """Run cmd; peak tree RSS before and after the first `until` event (past the first `skip`
+    events of the log), and the seconds to it."""
+    start = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    peak = {"before": 0.0, "after": 0.0}
+    reached = None
+    while proc.poll() is None:
+        phase = "after" if reached is not None else "before"
+        peak[phase] = max(peak[phase], tree_rss_mb(proc.pid))
+        if reached is None and any(e.get("event") == until for e in events(log)[skip:]):
+            reached = time.time() - start
+        time.sleep(0.1)
+    _, err = proc.communicate()
+    if proc.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed:\n{err}")
+    return {"to_event_s": reached or time.time() - start, **peak}
+
+
+def bench_data(args: argparse.Namespace) -> None:
+    work = args.work / f"p{args.pairs}"
+    files = make_corpus(args.tatoeba, args.pairs, work / "text")
+    cfg = {
+        "data": {
+            "train": {"src": str(files["train_en"]), "tgt": str(files["train_fr"])},
+            "dev": {"src": str(files["dev_en"]), "tgt": str(files["dev_fr"])},
+        },
+        "tokenizer": {"vocab_size": 8000},
+        "model": {"arch": "transformer", "emb_size": 256, "hidden_size": 256, "heads": 4,
+                  "ff_size": 1024, "enc_layers": 3, "dec_layers": 3},
+        "train": {"max_steps": args.steps, "eval_every": 100000, "batch_tokens": 4096,
+                  "eval_batch_tokens": 4096, "log_every": 1},
+    }  # fmt: skip
+    cfg_file = work / "config.yaml"
+    cfg_file.write_text(yaml.safe_dump(cfg))
+    out = work / "model"
+    cmd = [sys.executable, "-m", "attnmt", "train", "-c", str(cfg_file), "--out", str(out), "-q"]
+    first = watch([*cmd, "--overwrite"], out / "train_log.jsonl", "data")
+    data = next(e for e in events(out / "train_log.jsonl") if e["event"] == "data")
+    meta = json.loads((out / "encoded" / "meta.json").read_text())
+    before = len(events(out / "train_log.jsonl"))
+    resume = watch(
+        [*cmd, "--resume", "--set", f"train.max_steps={args.steps + 1}"],
+        out / "train_log.jsonl",
+        "model",
+        skip=before,
+    )
+    text_mb = sum(f.stat().st_size for k, f in files.items() if k.startswith("train")) / 2**20
+    print(json.dumps({
+        "bench": "data", "pairs": args.pairs, "text_mb": round(text_mb, 1),
+        "train_pairs": data["train_pairs"], "to_data_event_s": round(first["to_event_s"], 1),
+        "encode_pairs_per_s": round(meta["read"] / meta["encode_seconds"]),
+        "encode_workers": meta["workers"],
+        "peak_rss_mb_before_training": round(first["before"]),
+        "peak_rss_mb_training": round(first["after"]),
+        "steps": args.steps,
+        "resume_startup_s": round(resume["to_event_s"], 1),
+        "resume_peak_rss_mb": round(max(resume["before"], resume["after"])),
+    }))  # fmt: skip
