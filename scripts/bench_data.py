@@ -4,9 +4,9 @@ steps, and a resume.
 Builds a corpus of --pairs pairs from Tatoeba's English-French pairs (each synthetic pair is
 one to three random Tatoeba pairs joined, seeded), then runs `attnmt train` on it in a child
 process (a small Transformer, --steps steps, 8,000-piece joint vocabulary) and samples the
-resident memory of the child and its worker processes every 0.1 s. Prints one JSON line:
+proportional memory (PSS) of the child and its worker processes every 0.1 s. Prints one JSON line:
 pairs, text MB, seconds to the `data` event (SentencePiece + encoding), encode pairs/s (from
-the store), peak RSS (MB, the process tree's sum) before the data event and during training,
+the store), peak PSS (MB, the process tree's sum) before the data event and during training,
 and the start-up seconds of a `--resume` (until its `model` event; no re-encoding).
 """
 
@@ -42,25 +42,28 @@ def make_corpus(tsv: Path, pairs: int, out: Path, seed: int = 0) -> dict[str, Pa
     return files
 
 
-def tree_rss_mb(pid: int) -> float:
-    """Resident memory of pid and its descendants, MB."""
+def tree_pss_mb(pid: int) -> float:
+    """Proportional set size of pid and its descendants, MB: forked workers share the parent's
+    pages, which a sum of RSS would count once per process."""
     parents: dict[int, int] = {}
-    rss: dict[int, int] = {}
-    for status in Path("/proc").glob("[0-9]*/status"):
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = dict(
-                line.split(":", 1) for line in status.read_text().splitlines() if ":" in line
-            )
-        except OSError:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
-        p = int(status.parent.name)
-        parents[p] = int(fields["PPid"])
-        rss[p] = int(fields.get("VmRSS", "0 kB").split()[0])
     tree, grew = {pid}, True
     while grew:
         more = {p for p, pp in parents.items() if pp in tree} - tree
         grew, tree = bool(more), tree | more
-    return sum(rss.get(p, 0) for p in tree) / 1024
+    total = 0
+    for p in tree:
+        try:
+            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1])
+        except OSError:
+            continue
+    return total / 1024
 
 
 def events(log: Path) -> list[dict]:
@@ -79,7 +82,7 @@ def watch(cmd: list[str], log: Path, until: str, skip: int = 0) -> dict[str, flo
     reached = None
     while proc.poll() is None:
         phase = "after" if reached is not None else "before"
-        peak[phase] = max(peak[phase], tree_rss_mb(proc.pid))
+        peak[phase] = max(peak[phase], tree_pss_mb(proc.pid))
         if reached is None and any(e.get("event") == until for e in events(log)[skip:]):
             reached = time.time() - start
         time.sleep(0.1)
@@ -123,9 +126,9 @@ def bench_data(args: argparse.Namespace) -> None:
         "train_pairs": data["train_pairs"], "to_data_event_s": round(first["to_event_s"], 1),
         "encode_pairs_per_s": round(meta["read"] / meta["encode_seconds"]),
         "encode_workers": meta["workers"],
-        "peak_rss_mb_before_training": round(first["before"]),
-        "peak_rss_mb_training": round(first["after"]),
+        "peak_pss_mb_before_training": round(first["before"]),
+        "peak_pss_mb_training": round(first["after"]),
         "steps": args.steps,
         "resume_startup_s": round(resume["to_event_s"], 1),
-        "resume_peak_rss_mb": round(max(resume["before"], resume["after"])),
+        "resume_peak_pss_mb": round(max(resume["before"], resume["after"])),
     }))  # fmt: skip
