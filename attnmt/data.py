@@ -196,7 +196,7 @@ def _cut_sorted(lengths: np.ndarray, batch_tokens: int, max_sentences: int | Non
     i, n = 0, len(lengths)
     cap = min(batch_tokens, max_sentences or batch_tokens)  # rows of length >= 1
     while i < n:
-        window = lengths[i : i + cap]  # (w,)
+        window = lengths[i : i + cap].astype(np.int64)  # (w,)
         fits = window * np.arange(1, len(window) + 1) <= batch_tokens
         k = max(1, int(np.argmin(fits)) if not fits.all() else len(window))
         sizes.append(k)
@@ -226,8 +226,8 @@ class BucketSampler:
         bucket_batches: int = 100,
         max_sentences: int | None = None,
     ) -> None:
-        self.tgt_lengths = np.asarray(tgt_lengths, dtype=np.int64)
-        self.lengths = np.maximum(np.asarray(src_lengths, dtype=np.int64), self.tgt_lengths)
+        self.tgt_lengths = np.asarray(tgt_lengths, dtype=np.int32)
+        self.lengths = np.maximum(np.asarray(src_lengths, dtype=np.int32), self.tgt_lengths)
         self.batch_tokens = batch_tokens
         self.seed = seed
         self.bucket_batches = bucket_batches
@@ -236,13 +236,13 @@ class BucketSampler:
     def epoch(self, epoch: int) -> EpochBatches:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         n = len(self.lengths)
-        perm = torch.randperm(n, generator=g).numpy()
-        mean_len = max(1, int(self.lengths.sum()) // max(1, n))
+        perm = torch.randperm(n, generator=g).numpy().astype(np.int32)  # half of int64's memory
+        mean_len = max(1, int(self.lengths.sum(dtype=np.int64)) // max(1, n))
         per_batch = self.batch_tokens // mean_len
         if self.max_sentences is not None:
             per_batch = min(per_batch, self.max_sentences)
         chunk = max(1, self.bucket_batches * per_batch)
-        order, sizes = np.empty(n, dtype=np.int64), []
+        order, sizes = np.empty(n, dtype=np.int32), []
         for start in range(0, n, chunk):
             part = perm[start : start + chunk]
             part = part[np.lexsort((self.tgt_lengths[part], self.lengths[part]))]  # stable

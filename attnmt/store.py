@@ -16,6 +16,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import mmap
 import multiprocessing
 import os
 import shutil
@@ -290,24 +291,29 @@ class _Side:
     def __getitem__(self, i: int) -> list[int]:
         return self.tokens[self.offsets[i] : self.offsets[i + 1]].tolist()
 
-    def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets).astype(np.int32)
+
+def _map(path: Path, dtype: np.dtype) -> np.ndarray:
+    """path's contents as a read-only memory map, read page by page: batches touch pairs at
+    random, and the kernel's default read-ahead (128 KiB per touch) would map far more of the
+    file than they use (counted as the process's resident memory)."""
+    if not path.stat().st_size:
+        return np.zeros(0, dtype)  # an empty file cannot be mapped
+    array = np.memmap(path, dtype=dtype, mode="r")
+    if hasattr(mmap, "MADV_RANDOM"):
+        array._mmap.madvise(mmap.MADV_RANDOM)  # type: ignore[attr-defined]
+    return array
 
 
 class TokenStore:
     """The encoded training pairs, memory-mapped: `src[i]`, `tgt[i]` are token-id lists."""
 
     def __init__(self, directory: Path) -> None:
+        self.directory = directory
         self.meta = json.loads((directory / "meta.json").read_text(encoding="utf-8"))
         sides = {}
         for side in ("src", "tgt"):
-            path = directory / f"{side}.tokens"
-            tokens = (
-                np.memmap(path, dtype=self.meta["dtype"], mode="r")
-                if path.stat().st_size
-                else np.zeros(0, self.meta["dtype"])  # no pairs: an empty file cannot be mapped
-            )
-            offsets = np.memmap(directory / f"{side}.offsets", dtype=np.int64, mode="r")
+            tokens = _map(directory / f"{side}.tokens", np.dtype(self.meta["dtype"]))
+            offsets = _map(directory / f"{side}.offsets", np.dtype(np.int64))
             sides[side] = _Side(tokens, offsets)
         self.src, self.tgt = sides["src"], sides["tgt"]
 
@@ -315,8 +321,12 @@ class TokenStore:
         return len(self.src)
 
     def lengths(self) -> tuple[np.ndarray, np.ndarray]:
-        """(source, target) lengths in subwords, int32."""
-        return self.src.lengths(), self.tgt.lengths()
+        """(source, target) lengths in subwords, int32. Read from the offset files, not through
+        the maps: mapped, every page of them would stay counted as resident memory."""
+        return tuple(  # type: ignore[return-value]
+            np.diff(np.fromfile(self.directory / f"{side}.offsets", np.int64)).astype(np.int32)
+            for side in ("src", "tgt")
+        )
 
 
 def open_store(out: Path) -> TokenStore | None:

@@ -16,6 +16,7 @@ import argparse
 import gzip
 import json
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -110,7 +111,8 @@ def bench_data(args: argparse.Namespace) -> None:
     cfg_file.write_text(yaml.safe_dump(cfg))
     out = work / "model"
     cmd = [sys.executable, "-m", "attnmt", "train", "-c", str(cfg_file), "--out", str(out), "-q"]
-    first = watch([*cmd, "--overwrite"], out / "train_log.jsonl", "data")
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run: no old log events
+    first = watch(cmd, out / "train_log.jsonl", "data")
     data = next(e for e in events(out / "train_log.jsonl") if e["event"] == "data")
     meta = json.loads((out / "encoded" / "meta.json").read_text())
     before = len(events(out / "train_log.jsonl"))
