@@ -68,6 +68,7 @@ from attnmt.kernels import (
 )
 from attnmt.kernels.matmul import active as active_backend
 from attnmt.model import build_model
+from attnmt.processes import run_in_child
 from attnmt.schedules import inverse_sqrt_lr, teacher_forcing_ratio, warmup_lr
 from attnmt.seq2seq import Seq2Seq
 from attnmt.store import (
@@ -461,13 +462,7 @@ def prepare_data(
                 data.train.src, data.train.tgt, cfg.tokenizer, cfg.train.seed
             )
         write_run_files(out, cfg, tokenizer)  # on resume: the config's resumable changes
-        store = open_store(out) if resuming else None
-        if store is not None:
-            check_fingerprint(out / STORE_DIR, files)
-        else:
-            protos = (tokenizer.src.proto, tokenizer.tgt.proto)
-            workers = data.workers or default_workers()
-            build_store(out, data.train.src, data.train.tgt, protos, data.max_len, workers, files)
+        ensure_store(cfg, out, tokenizer, resuming, files)
     ranks.barrier()  # the tokenizer and the store are complete before the others read them
     if not ranks.is_main:
         tokenizer = Tokenizer.load(out, cfg.tokenizer.joint)
@@ -475,6 +470,26 @@ def prepare_data(
     assert store is not None
     log_data(log, store, dev_text, tokenizer)
     return tokenizer, store, encode_split(dev_text, tokenizer), dev_text
+
+
+def ensure_store(
+    cfg: Config, out: Path, tokenizer: Tokenizer, resuming: bool, files: list[Path]
+) -> None:
+    """Reuse the encoded store when resuming (refused if a file in `files` changed), else
+    build it, in a child process: what streaming the corpus leaves in Python's allocator goes
+    with it, and Ctrl-C does not wait for the encoding workers."""
+    if resuming and open_store(out) is not None:
+        check_fingerprint(out / STORE_DIR, files)
+        return
+    data = cfg.data
+    protos = (tokenizer.src.proto, tokenizer.tgt.proto)
+    workers = data.workers or default_workers()
+
+    def encode() -> bytes:
+        build_store(out, data.train.src, data.train.tgt, protos, data.max_len, workers, files)
+        return b""
+
+    run_in_child(encode)
 
 
 def log_data(log: RunLog, store: TokenStore, dev_text: ParallelText, tokenizer: Tokenizer) -> None:
