@@ -236,7 +236,7 @@ class BucketSampler:
     def epoch(self, epoch: int) -> EpochBatches:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         n = len(self.lengths)
-        perm = torch.randperm(n, generator=g).numpy().astype(np.int32)  # half of int64's memory
+        perm = torch.randperm(n, generator=g, dtype=torch.int32).numpy()  # same order as int64
         mean_len = max(1, int(self.lengths.sum(dtype=np.int64)) // max(1, n))
         per_batch = self.batch_tokens // mean_len
         if self.max_sentences is not None:

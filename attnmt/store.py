@@ -304,6 +304,17 @@ def _map(path: Path, dtype: np.dtype) -> np.ndarray:
     return array
 
 
+def _lengths(offsets_file: Path, block: int = 1 << 20) -> np.ndarray:
+    """Pair lengths (int32) from an offsets file, a block at a time (no int64 copy of it all)."""
+    n = offsets_file.stat().st_size // 8 - 1
+    lengths = np.empty(max(n, 0), dtype=np.int32)
+    for start in range(0, n, block):
+        count = min(block, n - start) + 1
+        offsets = np.fromfile(offsets_file, np.int64, count=count, offset=start * 8)
+        lengths[start : start + count - 1] = np.diff(offsets)
+    return lengths
+
+
 class TokenStore:
     """The encoded training pairs, memory-mapped: `src[i]`, `tgt[i]` are token-id lists."""
 
@@ -323,10 +334,7 @@ class TokenStore:
     def lengths(self) -> tuple[np.ndarray, np.ndarray]:
         """(source, target) lengths in subwords, int32. Read from the offset files, not through
         the maps: mapped, every page of them would stay counted as resident memory."""
-        return tuple(  # type: ignore[return-value]
-            np.diff(np.fromfile(self.directory / f"{side}.offsets", np.int64)).astype(np.int32)
-            for side in ("src", "tgt")
-        )
+        return tuple(_lengths(self.directory / f"{side}.offsets") for side in ("src", "tgt"))  # type: ignore[return-value]
 
 
 def open_store(out: Path) -> TokenStore | None:
