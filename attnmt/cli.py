@@ -17,7 +17,7 @@ import typer
 
 from attnmt import __version__
 from attnmt.errors import AttnmtError, DataError, TrainingInterrupted
-from attnmt.files import atomic_write_bytes, check_output_path, write_stdout
+from attnmt.files import OutputSink, atomic_write_bytes, check_output_path
 
 if TYPE_CHECKING:
     import torch
@@ -123,12 +123,6 @@ def train(
     run_training(cfg, out, overwrite=overwrite, resume=resume, quiet=quiet)
 
 
-def _read_input(path: Path | None) -> list[str]:
-    from attnmt.data import read_lines, read_stdin_lines
-
-    return read_stdin_lines() if path is None or str(path) == "-" else read_lines(path)
-
-
 @app.command()
 def translate(
     model: Annotated[Path, typer.Option("--model", "-m", help="Trained model directory.")],
@@ -184,13 +178,13 @@ def translate(
     matmul: MatmulOption = None,
 ) -> None:
     """Translate text, one line in, one line out (beam search, or greedy with --beam 1)."""
+    from attnmt.data import input_chunks
     from attnmt.evaluate import search_options
     from attnmt.evaluate import translate as run_translate
     from attnmt.kernels import matmul_backend
 
     if output is not None:
         check_output_path(output, "--output")
-    lines = _read_input(input)
     loaded = _load(model, weights, device, precision, matmul)
     cfg = loaded.cfg
     beam = cfg.decode.beam if beam is None else beam
@@ -202,24 +196,29 @@ def translate(
     options = search_options(
         cfg.decode, beam=beam, length_penalty=length_penalty, n_best=n_best, attention=spec
     )
-    with matmul_backend(loaded.matmul):
-        results = run_translate(
-            loaded.model, loaded.tokenizer, lines, options,
-            batch_tokens=batch_tokens or cfg.decode.batch_tokens, device=loaded.device,
-            workers=_workers(workers, cfg.decode.workers, loaded.device),
-        )  # fmt: skip
+    done = 0  # lines translated so far
+    # Chunk by chunk, written as each is done: memory stays bounded, and a line sent alone
+    # through a pipe or typed at a terminal is answered at once.
+    with OutputSink(output) as sink, matmul_backend(loaded.matmul):
+        for lines in input_chunks(input):
+            results = run_translate(
+                loaded.model, loaded.tokenizer, lines, options,
+                batch_tokens=batch_tokens or cfg.decode.batch_tokens, device=loaded.device,
+                workers=_workers(workers, cfg.decode.workers, loaded.device),
+            )  # fmt: skip
+            sink.write(_format(results, n_best, done))
+            if spec is not None and attention is not None:
+                _write_attention_maps(attention, [r[0] for r in results], cfg, spec, done + 1)
+            done += len(lines)
+
+
+def _format(results: list[list[Translation]], n_best: int, first: int) -> str:
+    """Output lines: the 1-best of each input, or its n-best list numbered from `first`."""
     if n_best == 1:
-        text = "".join(r[0].text + "\n" for r in results)
-    else:
-        text = "".join(
-            f"{i} ||| {t.text} ||| {t.score:.4f}\n" for i, r in enumerate(results) for t in r
-        )
-    if output is None:
-        write_stdout(text)
-    else:
-        atomic_write_bytes(output, text.encode("utf-8"))
-    if spec is not None and attention is not None:
-        _write_attention_maps(attention, [r[0] for r in results], cfg, spec)
+        return "".join(r[0].text + "\n" for r in results)
+    return "".join(
+        f"{first + i} ||| {t.text} ||| {t.score:.4f}\n" for i, r in enumerate(results) for t in r
+    )
 
 
 def _attention_spec(cfg: Config, directory: Path, layer: int, head: int | None) -> AttentionSpec:
@@ -240,9 +239,9 @@ def _attention_spec(cfg: Config, directory: Path, layer: int, head: int | None) 
 
 
 def _write_attention_maps(
-    directory: Path, best: list[Translation], cfg: Config, spec: AttentionSpec
+    directory: Path, best: list[Translation], cfg: Config, spec: AttentionSpec, first: int
 ) -> None:
-    """A JSON file and a heatmap per input line, numbered from 1."""
+    """A JSON file and a heatmap per input line, numbered from `first` (the first line is 1)."""
     from attnmt.heatmap import write_attention_map
 
     layer = spec.layer % cfg.model.dec_layers  # -1: the top layer, by its number
@@ -250,7 +249,7 @@ def _write_attention_maps(
         f"cross-attention, layer {layer + 1} of {cfg.model.dec_layers}, "
         + ("mean of heads" if spec.head is None else f"head {spec.head}")
     )  # fmt: skip
-    for i, translation in enumerate(best, start=1):
+    for i, translation in enumerate(best, start=first):
         write_attention_map(directory, i, translation, f"line {i}: {what}")
 
 

@@ -8,10 +8,14 @@ sides cannot shift against each other.
 from __future__ import annotations
 
 import gzip
+import os
+import select
+import stat
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import torch
@@ -19,49 +23,99 @@ import torch
 from attnmt.errors import DataError
 
 
-def decode_lines(data: bytes, name: str) -> list[str]:
-    """Split raw bytes into lines on '\\n' only and decode each as UTF-8.
+def decode_line(raw: bytes, name: str, number: int) -> str:
+    """One line's bytes (without its '\n'; a trailing '\r' is dropped) as UTF-8, or a
+    DataError naming name:number and the bad byte."""
+    if raw.endswith(b"\r"):
+        raw = raw[:-1]
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"{name}:{number}: not valid UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})"
+        ) from None
 
-    Only '\\n' ends a line (a trailing '\\r' is dropped): str.splitlines would also split on
+
+def decode_lines(data: bytes, name: str) -> list[str]:
+    """Split raw bytes into lines on '\n' only and decode each as UTF-8.
+
+    Only '\n' ends a line (a trailing '\r' is dropped): str.splitlines would also split on
     U+2028, form feeds and the like, and shift every later line of one side of a corpus.
     """
     if not data:
         return []  # an empty file has no lines; b"\n" has one, empty
     if data.endswith(b"\n"):
         data = data[:-1]
-    lines = []
-    for i, raw in enumerate(data.split(b"\n"), start=1):
-        if raw.endswith(b"\r"):
-            raw = raw[:-1]
-        try:
-            lines.append(raw.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            raise DataError(
-                f"{name}:{i}: not valid UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})"
-            ) from None
-    return lines
+    return [decode_line(raw, name, i) for i, raw in enumerate(data.split(b"\n"), start=1)]
+
+
+CHUNK_LINES = 4096  # input lines translated together at most (memory stays bounded)
+
+
+def input_chunks(path: Path | None, size: int = CHUNK_LINES) -> Iterator[list[str]]:
+    """The lines of a file (plain or .gz), a pipe (`<(zcat x.gz)`, `/dev/stdin`) or standard
+    input (None or '-'), decoded as UTF-8 (file:line on an error), in chunks of at most `size`
+    lines. From a pipe or a terminal a chunk also ends when no more input is waiting, so a line
+    sent alone is answered at once; the input is never held whole."""
+    stdin = path is None or str(path) == "-"
+    name = "<stdin>" if stdin else str(path)
+    stream = sys.stdin.buffer if stdin else open_input(path)  # type: ignore[arg-type]
+    fd = _interactive_fd(stream)
+    number, chunk, pending = 0, [], b""
+    try:
+        while data := (os.read(fd, 1 << 16) if fd is not None else stream.read(1 << 16)):
+            *complete, pending = (pending + data).split(b"\n")
+            for raw in complete:
+                number += 1
+                chunk.append(decode_line(raw, name, number))
+                if len(chunk) == size:
+                    yield chunk
+                    chunk = []
+            if chunk and fd is not None and not select.select([fd], [], [], 0)[0]:
+                yield chunk  # nothing more is waiting: answer what came
+                chunk = []
+    except (OSError, EOFError) as e:  # EOFError: a cut-off .gz
+        raise DataError(f"cannot read {name}: {getattr(e, 'strerror', None) or e}") from None
+    finally:
+        if not stdin:
+            stream.close()
+    if pending:
+        chunk.append(decode_line(pending, name, number + 1))
+    if chunk:
+        yield chunk
+
+
+def open_input(path: Path) -> IO[bytes]:
+    if not path.exists():
+        raise DataError(f"file not found: {path}")
+    if path.is_dir():
+        raise DataError(f"not a regular file: {path}")
+    try:
+        return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def _interactive_fd(stream: IO[bytes]) -> int | None:
+    """The file descriptor to read a pipe or terminal from as input arrives; None for a
+    regular or compressed file, or a stream without one (tests)."""
+    if isinstance(stream, gzip.GzipFile):
+        return None
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+    return None if stat.S_ISREG(os.fstat(fd).st_mode) else fd
 
 
 def read_lines(path: Path) -> list[str]:
-    """Read a text file (optionally .gz) as a list of lines, validating UTF-8."""
-    if not path.exists():
-        raise DataError(f"file not found: {path}")
-    if not path.is_file():
-        raise DataError(f"not a regular file: {path}")
-    try:
-        if path.suffix == ".gz":
-            with gzip.open(path, "rb") as f:
-                data = f.read()
-        else:
-            data = path.read_bytes()
-    except (OSError, EOFError) as e:
-        raise DataError(f"cannot read {path}: {e}") from None
-    return decode_lines(data, str(path))
+    """Read a text file (optionally .gz) or a pipe as a list of lines, validating UTF-8."""
+    return [line for chunk in input_chunks(path, 1 << 16) for line in chunk]
 
 
 def read_stdin_lines() -> list[str]:
     """Read standard input as lines, validating UTF-8."""
-    return decode_lines(sys.stdin.buffer.read(), "<stdin>")
+    return read_lines(Path("-"))
 
 
 @dataclass

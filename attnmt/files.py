@@ -122,3 +122,53 @@ def write_stdout(text: str) -> None:
             os.dup2(os.open(os.devnull, os.O_WRONLY), fd)  # no second error at exit
             raise SystemExit(141) from None
         raise WriteError(f"cannot write to standard output ({_reason(e)})") from None
+
+
+class OutputSink:
+    """Where translations go as they are ready: standard output (write_stdout), or a temporary
+    file beside `path` that becomes `path` only when complete (deleted on a failure, so a
+    reader never sees a partial file under the real name; after kill -9 only the hidden
+    temporary file remains)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path, self.tmp, self.file = path, None, None
+        if path is not None:
+            try:
+                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            except OSError as e:
+                raise WriteError(f"{path}: cannot write ({_reason(e)})") from None
+            self.tmp, self.file = Path(tmp), os.fdopen(fd, "wb")
+
+    def write(self, text: str) -> None:
+        if self.file is None:
+            write_stdout(text)
+            return
+        try:
+            self.file.write(text.encode("utf-8"))
+        except OSError as e:
+            raise WriteError(
+                f"{self.path}: cannot write ({_reason(e)}; {free_space(self.tmp.parent)})"
+            ) from None
+
+    def __enter__(self) -> OutputSink:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        if self.file is None or self.tmp is None or self.path is None:
+            return
+        tmp, path = self.tmp, self.path
+        try:
+            if kind is None:
+                self.file.flush()
+                os.fsync(self.file.fileno())
+            self.file.close()
+            if kind is None:
+                os.chmod(tmp, file_mode())
+                os.replace(tmp, path)
+                fsync_dir(path.parent)
+        except OSError as e:
+            raise WriteError(
+                f"{path}: cannot write ({_reason(e)}; {free_space(path.parent)})"
+            ) from None
+        finally:
+            tmp.unlink(missing_ok=True)

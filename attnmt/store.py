@@ -13,7 +13,6 @@ never read `encoded/` (a shipped model can leave it out).
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import mmap
@@ -29,6 +28,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from attnmt.data import decode_line, open_input
 from attnmt.errors import DataError
 from attnmt.files import atomic_write_bytes, fsync_dir
 
@@ -37,30 +37,13 @@ STORE_FORMAT = 1
 CHUNK_PAIRS = 20_000  # pairs a worker encodes at a time
 
 
-def _open(path: Path) -> IO[bytes]:
-    if not path.exists():
-        raise DataError(f"file not found: {path}")
-    try:
-        return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
-    except OSError as e:
-        raise DataError(f"cannot read {path}: {e.strerror or e}") from None
-
-
 def _lines(path: Path) -> Iterator[str]:
-    """path's lines, decoded as UTF-8 (DataError with file:line otherwise); only '\\n' ends a
-    line (a trailing '\\r' is dropped), as data.decode_lines."""
-    with _open(path) as f:
+    """path's lines, decoded as UTF-8 (DataError with file:line otherwise); only '\n' ends a
+    line (a trailing '\r' is dropped), as data.decode_lines."""
+    with open_input(path) as f:
         try:
             for i, raw in enumerate(f, start=1):
-                raw = raw[:-1] if raw.endswith(b"\n") else raw
-                raw = raw[:-1] if raw.endswith(b"\r") else raw
-                try:
-                    yield raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise DataError(
-                        f"{path}:{i}: not valid UTF-8 "
-                        f"(byte {raw[e.start]:#04x} at column {e.start + 1})"
-                    ) from None
+                yield decode_line(raw[:-1] if raw.endswith(b"\n") else raw, str(path), i)
         except (OSError, EOFError) as e:
             raise DataError(f"cannot read {path}: {e}") from None
 

@@ -389,3 +389,61 @@ def test_ctrl_c_does_not_wait_for_work_in_a_child():
         run_in_child(work)
     assert time.time() - start < 10
     assert pids and not any(map(_alive, pids))
+
+
+# --- issue 22: streaming translate, pipes as inputs ---
+
+
+def test_translate_answers_each_line_before_its_input_closes(model: Path):
+    import select
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "attnmt", "translate", "-m", str(model), "--beam", "2"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        for line in (b"w1 w2\n", b"w3\n"):
+            proc.stdin.write(line)
+            proc.stdin.flush()
+            ready, _, _ = select.select([proc.stdout], [], [], 90)
+            assert ready, "no translation while the input is still open"
+            assert proc.stdout.readline().endswith(b"\n")
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+def test_pipes_are_inputs(model: Path, tmp_path: Path, run_cli):
+    import threading
+
+    from attnmt.data import read_lines
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text("a\nb\xe9\n\nc"))
+    writer.start()
+    assert read_lines(fifo) == ["a", "bé", "", "c"]
+    writer.join()
+    r = attnmt("translate", "-m", str(model), "-i", "/dev/stdin", input="w1\nw2 w3\n")
+    assert r.returncode == 0 and len(r.stdout.splitlines()) == 2, r.stderr
+
+
+def test_output_is_never_partial_after_kill_9(model: Path, tmp_path: Path):
+    n = 60000
+    src = write_lines(tmp_path / "in.txt", [f"w{i % 12} w{i % 5}" for i in range(n)])
+    out = tmp_path / "outs" / "out.txt"
+    out.parent.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "attnmt", "translate", "-m", str(model), "-i", str(src),
+         "-o", str(out), "--beam", "3"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    wait_for(lambda: any(out.parent.iterdir()), proc)  # the temporary file has begun
+    time.sleep(0.5)
+    proc.kill()
+    proc.wait()
+    assert not out.exists() or out.read_text().count("\n") == n
