@@ -222,24 +222,25 @@ def token_batches(
     return batches
 
 
-class EpochBatches:
-    """An epoch's batches as one index array cut at boundaries: batch b is
-    order[bounds[b]:bounds[b + 1]] (10 M pairs take 80 MB here, not Python lists of ints)."""
+class Ragged:
+    """Lists of ints kept as one array cut at boundaries: item i is values[bounds[i]:bounds[i +
+    1]]. An epoch's batches (10 M pairs take 40 MB, not Python lists of ints) and a side of the
+    encoded store (its tokens and offsets, memory-mapped) are both one."""
 
-    def __init__(self, order: np.ndarray, bounds: np.ndarray) -> None:
-        self.order, self.bounds = order, bounds
+    def __init__(self, values: np.ndarray, bounds: np.ndarray) -> None:
+        self.values, self.bounds = values, bounds
 
     def __len__(self) -> int:
         return len(self.bounds) - 1
 
-    def __getitem__(self, b: int) -> list[int]:
-        return self.order[self.bounds[b] : self.bounds[b + 1]].tolist()
+    def __getitem__(self, i: int) -> list[int]:
+        return self.values[self.bounds[i] : self.bounds[i + 1]].tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
-        return (self[b] for b in range(len(self)))
+        return (self[i] for i in range(len(self)))
 
     def as_lists(self) -> list[list[int]]:
-        return [self[b] for b in range(len(self))]
+        return list(self)
 
 
 def _cut_sorted(lengths: np.ndarray, batch_tokens: int, max_sentences: int | None) -> list[int]:
@@ -287,7 +288,7 @@ class BucketSampler:
         self.bucket_batches = bucket_batches
         self.max_sentences = max_sentences
 
-    def epoch(self, epoch: int) -> EpochBatches:
+    def epoch(self, epoch: int) -> Ragged:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         n = len(self.lengths)
         perm = torch.randperm(n, generator=g, dtype=torch.int32).numpy()  # same order as int64
@@ -303,12 +304,12 @@ class BucketSampler:
             order[start : start + len(part)] = part
             sizes.extend(_cut_sorted(self.lengths[part], self.batch_tokens, self.max_sentences))
         if not sizes:
-            return EpochBatches(order, np.zeros(1, dtype=np.int64))
+            return Ragged(order, np.zeros(1, dtype=np.int64))
         bounds = np.concatenate([[0], np.cumsum(sizes)])
         shuffle = torch.randperm(len(sizes), generator=g).numpy()
         starts, ends = bounds[:-1][shuffle], bounds[1:][shuffle]
         new_order = np.concatenate([order[a:b] for a, b in zip(starts, ends, strict=True)])
-        return EpochBatches(new_order, np.concatenate([[0], np.cumsum(ends - starts)]))
+        return Ragged(new_order, np.concatenate([[0], np.cumsum(ends - starts)]))
 
 
 def sorted_batches(

@@ -25,7 +25,6 @@ from attnmt.kernels import (
     bigru_recurrence,
     gru_attention_recurrence,
     linear_cross_entropy,
-    scheduled_gru_attention_recurrence,
 )
 from attnmt.seq2seq import AttentionSpec, Seq2Seq, gold_coins
 from attnmt.tokenizer import PAD_ID
@@ -179,7 +178,7 @@ class RNNSeq2Seq(Seq2Seq):
         instead, for tests); other setups step through autograd.
         """
         if fused and self._fused_decoder():
-            outs, contexts = gru_attention_recurrence(
+            outs, contexts, _ = gru_attention_recurrence(
                 embs,
                 hidden[0],
                 memory.proj_keys,
@@ -262,10 +261,11 @@ class RNNSeq2Seq(Seq2Seq):
                 gold, use_gold, emb_scale, pre_scale, self.tgt_embed, self.pre_output,
                 self.output.weight,
             )  # fmt: skip
-            inputs, outs, contexts = scheduled_gru_attention_recurrence(
+            outs, contexts, inputs = gru_attention_recurrence(
                 gold_embs, hidden[0], memory.proj_keys, memory.enc_out, memory.pad_mask,
                 self.attention, self.rnn, sampling,
             )  # fmt: skip
+            assert inputs is not None
             embs = self.tgt_embed(inputs)  # (B, T, E)
             embs = embs * emb_scale if emb_scale is not None else embs
             return self._pre_output(outs.transpose(0, 1), contexts.transpose(0, 1), embs, pre_scale)

@@ -28,7 +28,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from attnmt.data import decode_line, open_input
+from attnmt.data import Ragged, decode_line, open_input
 from attnmt.errors import DataError
 from attnmt.files import atomic_write_bytes, fsync_dir
 
@@ -262,19 +262,6 @@ def _vocab_size(proto: bytes) -> int:
     return spm.SentencePieceProcessor(model_proto=proto).get_piece_size()
 
 
-class _Side:
-    """One side of the store as a sequence of token-id lists (what collate takes)."""
-
-    def __init__(self, tokens: np.ndarray, offsets: np.ndarray) -> None:
-        self.tokens, self.offsets = tokens, offsets
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def __getitem__(self, i: int) -> list[int]:
-        return self.tokens[self.offsets[i] : self.offsets[i + 1]].tolist()
-
-
 def _map(path: Path, dtype: np.dtype) -> np.ndarray:
     """path's contents as a read-only memory map, read page by page: batches touch pairs at
     random, and the kernel's default read-ahead (128 KiB per touch) would map far more of the
@@ -308,7 +295,7 @@ class TokenStore:
         for side in ("src", "tgt"):
             tokens = _map(directory / f"{side}.tokens", np.dtype(self.meta["dtype"]))
             offsets = _map(directory / f"{side}.offsets", np.dtype(np.int64))
-            sides[side] = _Side(tokens, offsets)
+            sides[side] = Ragged(tokens, offsets)
         self.src, self.tgt = sides["src"], sides["tgt"]
 
     def __len__(self) -> int:

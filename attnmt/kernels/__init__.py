@@ -9,8 +9,8 @@ how that was measured, is in docs/benchmarks.md ("What the kernels gain").
     linear_cross_entropy         output projection + label-smoothed cross-entropy, chunked
     feed_forward, dropout_add    the Transformer's FFN and residual dropout, fused on CPU
     Dropout, dropout             dropout with a cheaper CPU mask
-    gru_attention_recurrence     the rnn decoder's teacher-forced recurrence (BPTT by hand)
-    scheduled_gru_attention_recurrence   the same, choosing scheduled sampling's inputs
+    gru_attention_recurrence     the rnn decoder's recurrence (BPTT by hand), teacher-forced
+                                 or choosing scheduled sampling's inputs as it runs
     bigru_recurrence             the rnn encoder's one-layer bidirectional GRU
 """
 
@@ -28,7 +28,6 @@ from attnmt.kernels.recurrence import (
     ScheduledSampling,
     bigru_recurrence,
     gru_attention_recurrence,
-    scheduled_gru_attention_recurrence,
 )
 
 __all__ = [
@@ -47,5 +46,4 @@ __all__ = [
     "limit_onednn_kernel_cache",
     "linear_cross_entropy",
     "matmul_backend",
-    "scheduled_gru_attention_recurrence",
 ]

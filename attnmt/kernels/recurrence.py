@@ -319,65 +319,39 @@ def gru_attention_recurrence(
     pad_mask: Tensor,
     attention: AdditiveAttention,
     gru: nn.GRU,
-) -> tuple[Tensor, Tensor]:
-    """Run the decoder over all T gold inputs: the GRU outputs s_1..s_T and contexts c_1..c_T.
+    sampling: ScheduledSampling | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Run the decoder over T inputs: the GRU outputs s_1..s_T and contexts c_1..c_T.
 
     Args:
-        embs: (B, T, E) embedded inputs y_0..y_{T-1}; h0: (B, D) initial state.
+        embs: (B, T, E) embedded inputs y_0..y_{T-1} (the gold ones, after dropout);
+            h0: (B, D) initial state.
         proj_keys: (B, S, A) W_k keys; values: (B, S, D') encoder states; pad_mask: (B, S)
             bool, True at padding.
         attention: the additive attention (its query and energy layers).
         gru: a one-layer torch.nn.GRU with input [E y; c] (E + D') and state D.
+        sampling: scheduled sampling: where it says so, an input is the model's own prediction
+            from the step before, chosen in the same loop (one recurrence, not a choosing pass
+            and a teacher-forced one).
     Returns:
-        outs (T, B, D) and contexts (T, B, D'), time-major.
+        outs (T, B, D) and contexts (T, B, D'), time-major, and with `sampling` the inputs fed
+        (B, T) (else None).
 
     Under autocast the matmuls run in its dtype and everything else in fp32, as in
     kernels.ops.linear_cross_entropy.
     """
-    outs, ctxs = _apply(embs, h0, proj_keys, values, pad_mask, attention, gru, None)
-    return outs, ctxs
-
-
-def scheduled_gru_attention_recurrence(
-    embs: Tensor,
-    h0: Tensor,
-    proj_keys: Tensor,
-    values: Tensor,
-    pad_mask: Tensor,
-    attention: AdditiveAttention,
-    gru: nn.GRU,
-    sampling: ScheduledSampling,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """gru_attention_recurrence with scheduled sampling: embs (B, T, E) are the gold inputs'
-    embeddings (after dropout with sampling.emb_scale), and where sampling says so an input is
-    the model's own prediction from the step before, chosen in the same loop (one recurrence,
-    not a choosing pass and a teacher-forced one). Returns the inputs fed (B, T), outs and
-    contexts (T, B, ·)."""
-    outs, ctxs, inputs = _apply(embs, h0, proj_keys, values, pad_mask, attention, gru, sampling)
-    return inputs, outs, ctxs
-
-
-def _apply(
-    embs: Tensor,
-    h0: Tensor,
-    proj_keys: Tensor,
-    values: Tensor,
-    pad_mask: Tensor,
-    attention: AdditiveAttention,
-    gru: nn.GRU,
-    sampling: ScheduledSampling | None,
-) -> tuple[Tensor, ...]:
     assert gru.num_layers == 1 and not gru.bidirectional
     w_q, b_q = attention.query_layer.weight, attention.query_layer.bias
     embed_w = None if sampling is None else sampling.embed.weight
     dev = embs.device.type
     mm_dtype = _autocast_matmul_dtype(dev)
     with torch.autocast(dev, enabled=False):
-        return _GRUAttentionRecurrence.apply(
+        found = _GRUAttentionRecurrence.apply(
             embs, h0, proj_keys, values, pad_mask, w_q, b_q, attention.energy_layer.weight,
             gru.weight_ih_l0, gru.bias_ih_l0, gru.weight_hh_l0, gru.bias_hh_l0, mm_dtype,
             embed_w, sampling,
         )  # fmt: skip
+    return found[0], found[1], found[2] if sampling is not None else None
 
 
 class _BiGRURecurrence(torch.autograd.Function):
