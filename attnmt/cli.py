@@ -410,6 +410,9 @@ def main() -> None:
     except (KeyboardInterrupt, typer.Abort):
         code = 130
     except Exception as e:
+        if type(e).__name__ == "Abort":  # Click's form of Ctrl-C, where Typer does not convert it
+            print("attnmt: interrupted", file=sys.stderr)
+            sys.exit(130)
         if not hasattr(e, "format_message"):  # not a Click usage error: a bug, show it
             raise
         if type(e).__name__ == "NoArgsIsHelpError":  # plain `attnmt`: the help
