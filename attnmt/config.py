@@ -23,8 +23,35 @@ class _Section(BaseModel):
 
 
 class SplitConfig(_Section):
-    src: Path
-    tgt: Path
+    """A parallel corpus: two aligned files (src, tgt), or one TSV file whose 1-based fields
+    src_field and tgt_field hold the two sides (as `cut -f` counts)."""
+
+    src: Path | None = None
+    tgt: Path | None = None
+    tsv: Path | None = None
+    src_field: int = Field(1, ge=1, le=1000)
+    tgt_field: int = Field(2, ge=1, le=1000)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> SplitConfig:
+        two_files = self.src is not None and self.tgt is not None
+        if self.tsv is not None and (self.src is not None or self.tgt is not None):
+            raise ValueError("give either src and tgt (two files) or tsv (one file), not both")
+        if self.tsv is None and not two_files:
+            raise ValueError("give src and tgt (two files) or tsv (one file)")
+        if self.tsv is not None and self.src_field == self.tgt_field:
+            raise ValueError(f"src_field and tgt_field are both {self.src_field}")
+        return self
+
+    @property
+    def files(self) -> list[Path]:
+        """The files this corpus is read from."""
+        return [self.tsv] if self.tsv is not None else [self.src, self.tgt]  # type: ignore[list-item]
+
+    @property
+    def name(self) -> Path:
+        """The file to name in messages about the corpus as a whole (its source side)."""
+        return self.files[0]
 
 
 class DataConfig(_Section):
@@ -303,8 +330,9 @@ def resolve_paths(cfg: Config, base: Path) -> Config:
     data = cfg.data.model_copy(deep=True)
     for split in (data.train, data.dev, data.test):
         if split is not None:
-            split.src = (base / split.src).absolute()
-            split.tgt = (base / split.tgt).absolute()
+            for key in ("src", "tgt", "tsv"):
+                if getattr(split, key) is not None:
+                    setattr(split, key, (base / getattr(split, key)).absolute())
     return cfg.model_copy(update={"data": data})
 
 

@@ -28,7 +28,8 @@ from typing import IO, Any
 
 import numpy as np
 
-from attnmt.data import Ragged, decode_line, open_input
+from attnmt.config import SplitConfig
+from attnmt.data import ParallelText, Ragged, decode_line, open_input
 from attnmt.errors import DataError
 from attnmt.files import atomic_write_bytes, fsync_dir
 
@@ -81,6 +82,43 @@ def read_pairs(
             f"line counts differ: {src_path} has {counts.read} lines, "
             f"{tgt_path} has {counts.read + rest}"
         )
+
+
+def read_tsv(
+    path: Path, src_field: int, tgt_field: int, counts: PairCounts | None = None
+) -> Iterator[tuple[str, str]]:
+    """Stream the pairs of a TSV file's 1-based fields src_field and tgt_field, stripped, with
+    text on both sides; a line with too few fields is a DataError with file:line."""
+    counts = counts if counts is not None else PairCounts()
+    need = max(src_field, tgt_field)
+    for line in _lines(path):
+        counts.read += 1
+        fields = line.split("\t")
+        if len(fields) < need:
+            raise DataError(
+                f"{path}:{counts.read}: {len(fields)} tab-separated field(s); src_field "
+                f"{src_field} and tgt_field {tgt_field} need {need}"
+            )
+        s, t = fields[src_field - 1].strip(), fields[tgt_field - 1].strip()
+        if s and t:
+            yield s, t
+        else:
+            counts.empty += 1
+
+
+def read_split(split: SplitConfig, counts: PairCounts | None = None) -> Iterator[tuple[str, str]]:
+    """A corpus's pairs, from two files or one TSV file, as a stream."""
+    if split.tsv is not None:
+        return read_tsv(split.tsv, split.src_field, split.tgt_field, counts)
+    assert split.src is not None and split.tgt is not None
+    return read_pairs(split.src, split.tgt, counts)
+
+
+def read_split_text(split: SplitConfig) -> ParallelText:
+    """A small corpus (dev, test) in memory."""
+    counts = PairCounts()
+    pairs = list(read_split(split, counts))
+    return ParallelText([s for s, _ in pairs], [t for _, t in pairs], skipped_empty=counts.empty)
 
 
 def fingerprint(paths: list[Path]) -> list[dict[str, Any]]:
@@ -205,8 +243,7 @@ def default_workers() -> int:
 
 def build_store(
     out: Path,
-    src_path: Path,
-    tgt_path: Path,
+    split: SplitConfig,
     protos: tuple[bytes, bytes],
     max_len: int,
     workers: int,
@@ -224,9 +261,7 @@ def build_store(
     vocab = max(_vocab_size(p) for p in protos)
     dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
     counts, writer = PairCounts(), _Writer(tmp)
-    jobs = (
-        (c, max_len, dtype) for c in _chunks(read_pairs(src_path, tgt_path, counts), CHUNK_PAIRS)
-    )
+    jobs = ((c, max_len, dtype) for c in _chunks(read_split(split, counts), CHUNK_PAIRS))
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(workers, _start_worker, (*protos, os.getpid())) as pool:
         pending: deque[Any] = deque()

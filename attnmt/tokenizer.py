@@ -15,10 +15,10 @@ import sentencepiece as spm
 
 from attnmt.errors import AttnmtError, CheckpointError, ConfigError, DataError
 from attnmt.processes import run_in_child
-from attnmt.store import PairCounts, read_pairs
+from attnmt.store import PairCounts, read_split
 
 if TYPE_CHECKING:
-    from attnmt.config import TokenizerConfig
+    from attnmt.config import SplitConfig, TokenizerConfig
 
 # Fixed ids so that the model, the batcher and both vocabularies agree without a lookup.
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -157,13 +157,7 @@ class Tokenizer:
         return cls(trained(src_lines), trained(tgt_lines))
 
     @classmethod
-    def train_on_files(
-        cls,
-        src_path: Path,
-        tgt_path: Path,
-        cfg: TokenizerConfig,
-        seed: int,
-    ) -> Tokenizer:
+    def train_on_files(cls, split: SplitConfig, cfg: TokenizerConfig, seed: int) -> Tokenizer:
         """Train on a parallel corpus read as a stream (never held whole; pairs validated as
         attnmt.store.read_pairs does), sampled with `seed`, each model in a child process."""
 
@@ -173,7 +167,7 @@ class Tokenizer:
 
                 def sentences() -> Iterator[str]:
                     try:  # an error must not pass through SentencePiece's C++ reader
-                        for pair in read_pairs(src_path, tgt_path, counts):
+                        for pair in read_split(split, counts):
                             yield from (pair[k] for k in sides)
                     except DataError as e:
                         failure.append(e)
@@ -186,7 +180,7 @@ class Tokenizer:
                 except AttnmtError:
                     if not failure and counts.read == counts.empty:
                         raise DataError(
-                            f"{src_path}: no sentence pairs with text on both sides"
+                            f"{split.name}: no sentence pairs with text on both sides"
                         ) from None
                     if not failure:
                         raise

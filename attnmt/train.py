@@ -50,7 +50,7 @@ from attnmt.checkpoint import (
     write_run_files,
 )
 from attnmt.config import Config, from_dict, read_yaml
-from attnmt.data import BucketSampler, ParallelText, collate, read_parallel
+from attnmt.data import BucketSampler, ParallelText, collate
 from attnmt.errors import (
     CheckpointError,
     ConfigError,
@@ -78,6 +78,7 @@ from attnmt.store import (
     check_fingerprint,
     default_workers,
     open_store,
+    read_split_text,
 )
 from attnmt.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
@@ -450,19 +451,17 @@ def prepare_data(
     (rank 0; reused by --resume after checking that the files did not change; the other ranks
     map it), and read and encode the dev set."""
     data = cfg.data
-    files = [data.train.src, data.train.tgt, data.dev.src, data.dev.tgt]
-    dev_text = read_parallel(data.dev.src, data.dev.tgt)
+    files = [*data.train.files, *data.dev.files]
+    dev_text = read_split_text(data.dev)
     if not dev_text.src:
-        raise DataError(f"{data.dev.src}: no sentence pairs with text on both sides")
+        raise DataError(f"{data.dev.name}: no sentence pairs with text on both sides")
     if resuming:
         check_resumable(from_dict(read_yaml(out / CONFIG_FILE)), cfg)
     if ranks.is_main:
         if resuming:
             tokenizer = Tokenizer.load(out, cfg.tokenizer.joint)
         else:
-            tokenizer = Tokenizer.train_on_files(
-                data.train.src, data.train.tgt, cfg.tokenizer, cfg.train.seed
-            )
+            tokenizer = Tokenizer.train_on_files(data.train, cfg.tokenizer, cfg.train.seed)
         write_run_files(out, cfg, tokenizer)  # on resume: the config's resumable changes
         ensure_store(cfg, out, tokenizer, resuming, files)
     ranks.barrier()  # the tokenizer and the store are complete before the others read them
@@ -488,7 +487,7 @@ def ensure_store(
     workers = data.workers or default_workers()
 
     def encode() -> bytes:
-        build_store(out, data.train.src, data.train.tgt, protos, data.max_len, workers, files)
+        build_store(out, data.train, protos, data.max_len, workers, files)
         return b""
 
     run_in_child(encode)
@@ -870,7 +869,7 @@ def test_with_best(run: Run) -> None:
     """Translate data.test with the best weights and log its BLEU and chrF."""
     cfg = run.cfg
     assert cfg.data.test is not None
-    test_text = read_parallel(cfg.data.test.src, cfg.data.test.tgt)
+    test_text = read_split_text(cfg.data.test)
     load_weights(run.model, run.out / BEST_FILE, run.device)
     hyps = translate_lines(
         run.model, run.tokenizer, test_text.src, search_options(cfg.decode),
@@ -879,7 +878,7 @@ def test_with_best(run: Run) -> None:
     s = score(hyps, test_text.tgt)
     run.log.event(
         "test",
-        f"test ({cfg.data.test.src.name}, best weights, beam {cfg.decode.beam}): "
+        f"test ({cfg.data.test.name.name}, best weights, beam {cfg.decode.beam}): "
         f"BLEU {s.bleu:.2f} | chrF {s.chrf:.2f} | {s.bleu_signature}",
         pairs=len(test_text.src),
         beam=cfg.decode.beam,

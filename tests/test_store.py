@@ -9,7 +9,7 @@ import pytest
 
 import attnmt.store as store_mod
 import attnmt.tokenizer as tokenizer_mod
-from attnmt.config import TokenizerConfig, from_dict
+from attnmt.config import SplitConfig, TokenizerConfig, from_dict
 from attnmt.data import read_parallel
 from attnmt.errors import DataError
 from attnmt.store import TokenStore, build_store, read_pairs
@@ -30,10 +30,9 @@ def _corpus(tmp_path: Path, n: int = 300) -> tuple[Path, Path]:
 def test_store_equals_direct_encoding(tmp_path: Path, workers, monkeypatch):
     monkeypatch.setattr(store_mod, "CHUNK_PAIRS", 37)  # many chunks, out of step with workers
     src_path, tgt_path = _corpus(tmp_path)
-    tok = Tokenizer.train_on_files(src_path, tgt_path, TokenizerConfig(vocab_size=40), seed=1)
-    meta = build_store(
-        tmp_path, src_path, tgt_path, (tok.src.proto, tok.tgt.proto), 20, workers, [src_path]
-    )
+    split = SplitConfig(src=src_path, tgt=tgt_path)
+    tok = Tokenizer.train_on_files(split, TokenizerConfig(vocab_size=40), seed=1)
+    meta = build_store(tmp_path, split, (tok.src.proto, tok.tgt.proto), 20, workers, [src_path])
     text = read_parallel(src_path, tgt_path)
     src, tgt = tok.src.encode(text.src), tok.tgt.encode(text.tgt)
     keep = [i for i in range(len(src)) if len(src[i]) <= 20 and len(tgt[i]) <= 20]
@@ -71,7 +70,9 @@ def test_sentencepiece_samples_with_its_seed(tmp_path: Path, monkeypatch):
     cfg = TokenizerConfig(vocab_size=40)
 
     def vocab(seed: int) -> bytes:
-        return Tokenizer.train_on_files(src_path, tgt_path, cfg, seed).src.proto
+        return Tokenizer.train_on_files(
+            SplitConfig(src=src_path, tgt=tgt_path), cfg, seed
+        ).src.proto
 
     assert vocab(1) == vocab(1)
     assert len({vocab(1), vocab(2), vocab(3)}) > 1  # another sample, another vocabulary
@@ -121,3 +122,35 @@ def test_reservoir_sample_is_uniform_and_whole_when_small():
         counts.update(sample)
     assert len(counts) == 100
     assert all(140 < c < 260 for c in counts.values())  # 200 expected per item
+
+
+def test_a_tsv_corpus_gives_the_pairs_of_two_files(tmp_path: Path, corpus):
+    from attnmt.errors import ConfigError
+    from attnmt.store import read_split
+
+    src, tgt = (
+        corpus["train_src"].read_text().splitlines(),
+        corpus["train_tgt"].read_text().splitlines(),
+    )
+    tsv = write_lines(
+        tmp_path / "c.tsv",
+        [f"{t}\t{s}\tattribution #{i}" for i, (s, t) in enumerate(zip(src, tgt, strict=True))],
+    )
+    pairs = list(read_split(SplitConfig(tsv=tsv, src_field=2, tgt_field=1)))
+    assert pairs == list(read_pairs(corpus["train_src"], corpus["train_tgt"]))
+    write_lines(tmp_path / "bad.tsv", ["a\tb", "only one field", "c\td"])
+    with pytest.raises(DataError, match=r"bad.tsv:2: 1 tab-separated field\(s\); src_field 1"):
+        list(read_split(SplitConfig(tsv=tmp_path / "bad.tsv")))
+    for bad in (
+        {"src": "a", "tsv": "b"},
+        {"src": "a"},
+        {"tsv": "b", "src_field": 2, "tgt_field": 2},
+    ):
+        raw = tiny_config(corpus)
+        raw["data"]["train"] = bad
+        with pytest.raises(ConfigError, match=r"data\.train"):
+            from_dict(raw)
+    raw = tiny_config(corpus)  # trains from the TSV as from the two files
+    raw["data"]["train"] = {"tsv": str(tsv), "src_field": 2, "tgt_field": 1}
+    summary = train(from_dict(raw), tmp_path / "m", quiet=True)
+    assert summary["steps"] == raw["train"]["max_steps"]
