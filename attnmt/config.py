@@ -54,12 +54,29 @@ class SplitConfig(_Section):
         return self.files[0]
 
 
+class TrainCorpus(SplitConfig):
+    """A training corpus; in a list of several, `weight` sets its share of the pairs seen."""
+
+    weight: float = Field(1.0, gt=0.0, le=1e6)
+
+
 class DataConfig(_Section):
-    train: SplitConfig
+    train: TrainCorpus | list[TrainCorpus]
     dev: SplitConfig
     test: SplitConfig | None = None
     max_len: int = Field(100, ge=1, le=100_000)
     workers: int = Field(0, ge=0, le=256)  # encoding processes; 0: the cores available
+
+    @model_validator(mode="after")
+    def _some_corpus(self) -> DataConfig:
+        if isinstance(self.train, list) and not self.train:
+            raise ValueError("data.train: the list of corpora is empty")
+        return self
+
+    @property
+    def corpora(self) -> list[TrainCorpus]:
+        """The training corpora, one or several."""
+        return self.train if isinstance(self.train, list) else [self.train]
 
 
 class TokenizerConfig(_Section):
@@ -328,7 +345,7 @@ def load_config(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> Conf
 def resolve_paths(cfg: Config, base: Path) -> Config:
     """Return a copy of cfg with every data path made absolute against base."""
     data = cfg.data.model_copy(deep=True)
-    for split in (data.train, data.dev, data.test):
+    for split in (*data.corpora, data.dev, data.test):
         if split is not None:
             for key in ("src", "tgt", "tsv"):
                 if getattr(split, key) is not None:

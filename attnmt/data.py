@@ -270,6 +270,11 @@ class BucketSampler:
     batch order. Because the order is a pure function of (seed, epoch), a run can be resumed
     at any batch of any epoch. Lengths are NumPy arrays and the work vectorised (no Python
     object per pair).
+
+    Several corpora (`corpus_pairs`: how many pairs each has, stored one after the other) with
+    `weights`: an epoch has as many pairs as all corpora together, corpus c's share of them
+    w_c / Σw; a corpus with more than its share is subsampled, one with less repeated, each a
+    fresh permutation per epoch (OpenNMT-py's corpus weights).
     """
 
     def __init__(
@@ -280,6 +285,8 @@ class BucketSampler:
         seed: int,
         bucket_batches: int = 100,
         max_sentences: int | None = None,
+        corpus_pairs: Sequence[int] | None = None,
+        weights: Sequence[float] | None = None,
     ) -> None:
         self.tgt_lengths = np.asarray(tgt_lengths, dtype=np.int32)
         self.lengths = np.maximum(np.asarray(src_lengths, dtype=np.int32), self.tgt_lengths)
@@ -287,11 +294,40 @@ class BucketSampler:
         self.seed = seed
         self.bucket_batches = bucket_batches
         self.max_sentences = max_sentences
+        self.corpus_pairs = list(corpus_pairs or [len(self.lengths)])
+        self.weights = list(weights or [1.0] * len(self.corpus_pairs))
+
+    def shares(self) -> list[int]:
+        """Pairs per epoch from each corpus."""
+        n, total = sum(self.corpus_pairs), sum(self.weights)
+        return [
+            0 if size == 0 else max(1, round(n * w / total))
+            for size, w in zip(self.corpus_pairs, self.weights, strict=True)
+        ]
+
+    def _pool(self, epoch: int) -> np.ndarray | None:
+        """The pairs of an epoch with several corpora (None: every pair once)."""
+        if len(self.corpus_pairs) == 1:
+            return None
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) ^ 0x5EED5)
+        parts, start = [], 0
+        for size, want in zip(self.corpus_pairs, self.shares(), strict=True):
+            perms = [
+                torch.randperm(size, generator=g, dtype=torch.int32)
+                for _ in range(-(-want // max(size, 1)))
+            ]
+            if perms:
+                parts.append(torch.cat(perms)[:want].numpy() + np.int32(start))
+            start += size
+        return np.concatenate(parts)
 
     def epoch(self, epoch: int) -> Ragged:
+        pool = self._pool(epoch)
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        n = len(self.lengths)
+        n = len(self.lengths) if pool is None else len(pool)
         perm = torch.randperm(n, generator=g, dtype=torch.int32).numpy()  # same order as int64
+        if pool is not None:
+            perm = pool[perm]
         mean_len = max(1, int(self.lengths.sum(dtype=np.int64)) // max(1, n))
         per_batch = self.batch_tokens // mean_len
         if self.max_sentences is not None:

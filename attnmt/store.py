@@ -114,6 +114,14 @@ def read_split(split: SplitConfig, counts: PairCounts | None = None) -> Iterator
     return read_pairs(split.src, split.tgt, counts)
 
 
+def read_corpora(
+    splits: list[SplitConfig], counts: PairCounts | None = None
+) -> Iterator[tuple[str, str]]:
+    """The pairs of several corpora, one after the other, as a stream."""
+    for split in splits:
+        yield from read_split(split, counts)
+
+
 def read_split_text(split: SplitConfig) -> ParallelText:
     """A small corpus (dev, test) in memory."""
     counts = PairCounts()
@@ -243,7 +251,7 @@ def default_workers() -> int:
 
 def build_store(
     out: Path,
-    split: SplitConfig,
+    corpora: list[SplitConfig],
     protos: tuple[bytes, bytes],
     max_len: int,
     workers: int,
@@ -261,21 +269,25 @@ def build_store(
     vocab = max(_vocab_size(p) for p in protos)
     dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
     counts, writer = PairCounts(), _Writer(tmp)
-    jobs = ((c, max_len, dtype) for c in _chunks(read_split(split, counts), CHUNK_PAIRS))
+    corpus_pairs = []  # pairs kept per corpus; corpus c's are contiguous, after c - 1's
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(workers, _start_worker, (*protos, os.getpid())) as pool:
-        pending: deque[Any] = deque()
-        for job in jobs:
-            pending.append(pool.apply_async(_encode_chunk, (job,)))
-            while len(pending) > 2 * workers or (pending and pending[0].ready()):
+        for split in corpora:
+            before = writer.pairs
+            pending: deque[Any] = deque()
+            for chunk in _chunks(read_split(split, counts), CHUNK_PAIRS):
+                pending.append(pool.apply_async(_encode_chunk, ((chunk, max_len, dtype),)))
+                while len(pending) > 2 * workers or (pending and pending[0].ready()):
+                    writer.add(*pending.popleft().get())
+            while pending:
                 writer.add(*pending.popleft().get())
-        while pending:
-            writer.add(*pending.popleft().get())
+            corpus_pairs.append(writer.pairs - before)
     writer.close()
     meta = {
         "format": STORE_FORMAT,
         "dtype": np.dtype(dtype).name,
         "pairs": writer.pairs,
+        "corpus_pairs": corpus_pairs,
         "read": counts.read,
         "skipped_empty": counts.empty,
         "skipped_too_long": counts.read - counts.empty - writer.pairs,

@@ -15,7 +15,7 @@ import sentencepiece as spm
 
 from attnmt.errors import AttnmtError, CheckpointError, ConfigError, DataError
 from attnmt.processes import run_in_child
-from attnmt.store import PairCounts, read_split
+from attnmt.store import PairCounts, read_corpora
 
 if TYPE_CHECKING:
     from attnmt.config import SplitConfig, TokenizerConfig
@@ -157,7 +157,9 @@ class Tokenizer:
         return cls(trained(src_lines), trained(tgt_lines))
 
     @classmethod
-    def train_on_files(cls, split: SplitConfig, cfg: TokenizerConfig, seed: int) -> Tokenizer:
+    def train_on_files(
+        cls, corpora: list[SplitConfig], cfg: TokenizerConfig, seed: int
+    ) -> Tokenizer:
         """Train on a parallel corpus read as a stream (never held whole; pairs validated as
         attnmt.store.read_pairs does), sampled with `seed`, each model in a child process."""
 
@@ -167,7 +169,7 @@ class Tokenizer:
 
                 def sentences() -> Iterator[str]:
                     try:  # an error must not pass through SentencePiece's C++ reader
-                        for pair in read_split(split, counts):
+                        for pair in read_corpora(corpora, counts):
                             yield from (pair[k] for k in sides)
                     except DataError as e:
                         failure.append(e)
@@ -180,7 +182,7 @@ class Tokenizer:
                 except AttnmtError:
                     if not failure and counts.read == counts.empty:
                         raise DataError(
-                            f"{split.name}: no sentence pairs with text on both sides"
+                            f"{corpora[0].name}: no sentence pairs with text on both sides"
                         ) from None
                     if not failure:
                         raise

@@ -410,7 +410,11 @@ def setup(
         t.batch_tokens,
         t.seed,
         max_sentences=t.batch_sentences,
+        corpus_pairs=train_data.meta["corpus_pairs"],
+        weights=[c.weight for c in cfg.data.corpora],
     )
+    if len(cfg.data.corpora) > 1:
+        log_corpora(log, cfg, sampler)
     run = Run(
         cfg, out, ranks, device, log, tokenizer, train_data, dev_data, dev_text, model, model,
         optimizer,
@@ -451,7 +455,7 @@ def prepare_data(
     (rank 0; reused by --resume after checking that the files did not change; the other ranks
     map it), and read and encode the dev set."""
     data = cfg.data
-    files = [*data.train.files, *data.dev.files]
+    files = [f for split in (*data.corpora, data.dev) for f in split.files]
     dev_text = read_split_text(data.dev)
     if not dev_text.src:
         raise DataError(f"{data.dev.name}: no sentence pairs with text on both sides")
@@ -461,7 +465,7 @@ def prepare_data(
         if resuming:
             tokenizer = Tokenizer.load(out, cfg.tokenizer.joint)
         else:
-            tokenizer = Tokenizer.train_on_files(data.train, cfg.tokenizer, cfg.train.seed)
+            tokenizer = Tokenizer.train_on_files(data.corpora, cfg.tokenizer, cfg.train.seed)
         write_run_files(out, cfg, tokenizer)  # on resume: the config's resumable changes
         ensure_store(cfg, out, tokenizer, resuming, files)
     ranks.barrier()  # the tokenizer and the store are complete before the others read them
@@ -487,10 +491,28 @@ def ensure_store(
     workers = data.workers or default_workers()
 
     def encode() -> bytes:
-        build_store(out, data.train, protos, data.max_len, workers, files)
+        build_store(out, list(data.corpora), protos, data.max_len, workers, files)
         return b""
 
     run_in_child(encode)
+
+
+def log_corpora(log: RunLog, cfg: Config, sampler: BucketSampler) -> None:
+    """The `corpora` event: each training corpus's pairs, weight and share of an epoch."""
+    shares = sampler.shares()
+    total = max(1, sum(shares))
+    rows = [
+        {"corpus": str(c.name), "pairs": n, "weight": c.weight, "per_epoch": k, "share": k / total}
+        for c, n, k in zip(cfg.data.corpora, sampler.corpus_pairs, shares, strict=True)
+    ]
+    log.event(
+        "corpora",
+        "corpora: " + "; ".join(
+            f"{Path(r['corpus']).name}: {r['pairs']:,} pairs, weight {r['weight']:g}, "
+            f"{100 * r['share']:.1f} % of an epoch" for r in rows
+        ),
+        corpora=rows,
+    )  # fmt: skip
 
 
 def log_data(log: RunLog, store: TokenStore, dev_text: ParallelText, tokenizer: Tokenizer) -> None:

@@ -31,8 +31,8 @@ def test_store_equals_direct_encoding(tmp_path: Path, workers, monkeypatch):
     monkeypatch.setattr(store_mod, "CHUNK_PAIRS", 37)  # many chunks, out of step with workers
     src_path, tgt_path = _corpus(tmp_path)
     split = SplitConfig(src=src_path, tgt=tgt_path)
-    tok = Tokenizer.train_on_files(split, TokenizerConfig(vocab_size=40), seed=1)
-    meta = build_store(tmp_path, split, (tok.src.proto, tok.tgt.proto), 20, workers, [src_path])
+    tok = Tokenizer.train_on_files([split], TokenizerConfig(vocab_size=40), seed=1)
+    meta = build_store(tmp_path, [split], (tok.src.proto, tok.tgt.proto), 20, workers, [src_path])
     text = read_parallel(src_path, tgt_path)
     src, tgt = tok.src.encode(text.src), tok.tgt.encode(text.tgt)
     keep = [i for i in range(len(src)) if len(src[i]) <= 20 and len(tgt[i]) <= 20]
@@ -71,7 +71,7 @@ def test_sentencepiece_samples_with_its_seed(tmp_path: Path, monkeypatch):
 
     def vocab(seed: int) -> bytes:
         return Tokenizer.train_on_files(
-            SplitConfig(src=src_path, tgt=tgt_path), cfg, seed
+            [SplitConfig(src=src_path, tgt=tgt_path)], cfg, seed
         ).src.proto
 
     assert vocab(1) == vocab(1)
@@ -154,3 +154,39 @@ def test_a_tsv_corpus_gives_the_pairs_of_two_files(tmp_path: Path, corpus):
     raw["data"]["train"] = {"tsv": str(tsv), "src_field": 2, "tgt_field": 1}
     summary = train(from_dict(raw), tmp_path / "m", quiet=True)
     assert summary["steps"] == raw["train"]["max_steps"]
+
+
+def test_weighted_corpora_take_their_shares_of_an_epoch():
+    from collections import Counter
+
+    from attnmt.data import BucketSampler
+
+    lengths = [3] * 100 + [5] * 900  # corpus A: 100 pairs, B: 900
+    s = BucketSampler(lengths, lengths, 60, seed=2, corpus_pairs=[100, 900], weights=[1, 1])
+    assert s.shares() == [500, 500]
+    e1 = [i for b in s.epoch(1) for i in b]
+    from_a = [i for i in e1 if i < 100]
+    assert len(e1) == 1000 and len(from_a) == 500
+    assert set(Counter(from_a).values()) == {5}  # A repeated 5 times, each pair alike
+    assert len(set(e1) - set(from_a)) == 500  # B: 500 distinct of its 900
+    e2 = [i for b in s.epoch(2) for i in b]
+    assert set(e2) != set(e1) and s.epoch(1).as_lists() == s.epoch(1).as_lists()
+
+
+def test_training_on_two_weighted_corpora_logs_their_shares(tmp_path: Path, corpus):
+    import json
+
+    raw = tiny_config(corpus)
+    other = (
+        write_lines(tmp_path / "o.src", ["w1 w2"] * 30),
+        write_lines(tmp_path / "o.tgt", ["t2 t1"] * 30),
+    )
+    raw["data"]["train"] = [
+        {**raw["data"]["train"], "weight": 1},
+        {"src": str(other[0]), "tgt": str(other[1]), "weight": 3},
+    ]
+    out = tmp_path / "m"
+    train(from_dict(raw), out, quiet=True)
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    rows = next(e for e in log if e["event"] == "corpora")["corpora"]
+    assert [(r["pairs"], r["weight"], r["per_epoch"]) for r in rows] == [(300, 1, 82), (30, 3, 248)]
