@@ -178,13 +178,15 @@ def translate(
     matmul: MatmulOption = None,
 ) -> None:
     """Translate text, one line in, one line out (beam search, or greedy with --beam 1)."""
-    from attnmt.data import input_chunks
+    from attnmt.data import input_chunks, open_input
     from attnmt.evaluate import search_options
     from attnmt.evaluate import translate as run_translate
     from attnmt.kernels import matmul_backend
 
     if output is not None:
         check_output_path(output, "--output")
+    if input is not None and str(input) != "-":
+        open_input(input).close()  # a missing or unreadable file fails before the model loads
     loaded = _load(model, weights, device, precision, matmul)
     cfg = loaded.cfg
     beam = cfg.decode.beam if beam is None else beam
