@@ -410,7 +410,7 @@ def setup(
         t.batch_tokens,
         t.seed,
         max_sentences=t.batch_sentences,
-        corpus_pairs=train_data.meta["corpus_pairs"],
+        corpus_pairs=train_data.meta.get("corpus_pairs") or [len(train_data)],
         weights=[c.weight for c in cfg.data.corpora],
     )
     if len(cfg.data.corpora) > 1:
