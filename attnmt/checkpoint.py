@@ -46,6 +46,7 @@ CONFIG_FILE = "config.yaml"
 META_FILE = "attnmt.json"
 BEST_FILE = "best.safetensors"
 LAST_FILE = "last.safetensors"
+AVERAGED_FILE = "averaged.safetensors"
 LOG_JSONL = "train_log.jsonl"
 LOG_TEXT = "train.log"
 CKPT_DIR = "checkpoints"
@@ -87,16 +88,20 @@ def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
 
 def save_weights(model: Seq2Seq, path: Path) -> None:
     """Save weights as safetensors with their checksum; tied tensors are stored once."""
-    tensors, aliases = weights_dict(model)
+    write_tensors(path, *weights_dict(model))
+
+
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:
+    """A weights file: the tensors, their checksum and the tied names, written atomically."""
     # One metadata entry only: the header's metadata map has no fixed key order.
     meta = {"sha256": tensors_sha256(tensors), "tied": aliases}
     metadata = {"attnmt": json.dumps(meta, sort_keys=True)}
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
-def load_weights(model: Seq2Seq, path: Path, device: torch.device | str = "cpu") -> None:
-    """Load weights saved by save_weights into model (strict: every name must match). A file
-    whose checksum does not match, or that holds NaN or infinite values, is refused."""
+def read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A weights file's stored tensors and tied names ({dropped name: kept name}). A file whose
+    checksum does not match, or that holds NaN or infinite values, is refused."""
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             meta = f.metadata() or {}
@@ -113,6 +118,12 @@ def load_weights(model: Seq2Seq, path: Path, device: torch.device | str = "cpu")
     for name, t in state.items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise CheckpointError(f"{path}: damaged: tensor {name} holds NaN or infinite values")
+    return state, aliases
+
+
+def load_weights(model: Seq2Seq, path: Path, device: torch.device | str = "cpu") -> None:
+    """Load weights saved by save_weights into model (strict: every name must match)."""
+    state, aliases = read_tensors(path)
     for name, kept in aliases.items():
         state[name] = state[kept]
     try:
@@ -121,6 +132,51 @@ def load_weights(model: Seq2Seq, path: Path, device: torch.device | str = "cpu")
         first = " ".join(str(e).split())[:300]
         raise CheckpointError(f"{path}: does not fit the model in config.yaml ({first})") from None
     model.to(device)
+
+
+def kept_checkpoints(model_dir: Path) -> dict[int, Path]:
+    """{step: weights file} of the checkpoints kept in model_dir/checkpoints."""
+    found = {}
+    for name in _names(model_dir / CKPT_DIR):
+        m = _STEP_FILE.match(name)
+        if m and m.group(2) == "safetensors":
+            found[int(m.group(1))] = model_dir / CKPT_DIR / name
+    return found
+
+
+def average_checkpoints(model_dir: Path, n: int, by: str) -> tuple[Path, list[int]]:
+    """Write model_dir/averaged.safetensors, the element-wise mean of n kept checkpoints: the
+    last n by step (by="last") or the n with the best dev BLEU in train_log.jsonl (by="best").
+    Returns the file and the steps averaged."""
+    kept = kept_checkpoints(model_dir)
+    if by == "best":
+        bleu = {}
+        for line in (model_dir / LOG_JSONL).read_text(encoding="utf-8").splitlines():
+            event = json.loads(line)
+            if event.get("event") == "validation" and event.get("dev_bleu") is not None:
+                bleu[int(event["step"])] = float(event["dev_bleu"])
+        steps = sorted((s for s in kept if s in bleu), key=lambda s: (-bleu[s], -s))[:n]
+    else:
+        steps = sorted(kept)[-n:]
+    if len(steps) < n:
+        raise CheckpointError(
+            f"{model_dir}: {n} checkpoints asked for, {len(steps)} kept"
+            + (" with a dev BLEU" if by == "best" else "")
+            + f" ({', '.join(f'step-{s}' for s in sorted(kept)) or 'none'}); raise train.keep_{by}"
+        )
+    first, aliases = read_tensors(kept[steps[0]])
+    dtypes = {name: t.dtype for name, t in first.items()}
+    total = {name: t.double() for name, t in first.items()}
+    for step in steps[1:]:
+        tensors, _ = read_tensors(kept[step])
+        if tensors.keys() != total.keys():
+            raise CheckpointError(f"{kept[step]}: other tensors than {kept[steps[0]]}")
+        for name, t in tensors.items():
+            total[name] += t.double()
+    mean = {name: (t / len(steps)).to(dtypes[name]) for name, t in total.items()}
+    path = model_dir / AVERAGED_FILE
+    write_tensors(path, mean, aliases)
+    return path, sorted(steps)
 
 
 RUN_FILES = (
@@ -349,7 +405,8 @@ def check_run_files(model_dir: Path, meta: dict[str, Any], cfg: Config) -> None:
 
 def resolve_weights(model_dir: Path, weights: str) -> Path:
     """The weights file that `weights` names in model_dir: best (or last while there is no best
-    yet, as after an interrupt before the first validation), last, step-N (a kept checkpoint),
+    yet, as after an interrupt before the first validation), last, averaged (attnmt average),
+    step-N (a kept checkpoint),
     a file name inside model_dir, or a path."""
     step = re.fullmatch(r"step-(\d+)", weights)
     if weights == "best":
@@ -358,6 +415,8 @@ def resolve_weights(model_dir: Path, weights: str) -> Path:
             path = model_dir / LAST_FILE
     elif weights == "last":
         path = model_dir / LAST_FILE
+    elif weights == "averaged":
+        path = model_dir / AVERAGED_FILE
     elif step:
         path = model_dir / CKPT_DIR / f"step-{int(step.group(1)):08d}.safetensors"
     elif (model_dir / weights).is_file():

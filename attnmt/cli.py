@@ -41,8 +41,8 @@ WeightsOption = Annotated[
     str,
     typer.Option(
         "--weights",
-        help="Which weights: best (falls back to last while there is no best), last, step-N "
-        "(a kept checkpoint), or a .safetensors path.",
+        help="Which weights: best (falls back to last while there is no best), last, averaged "
+        "(attnmt average), step-N (a kept checkpoint), or a .safetensors path.",
     ),
 ]
 DeviceOption = Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")]
@@ -317,6 +317,31 @@ def _load(
             file=sys.stderr,
         )
     return _Loaded(cfg, tokenizer, for_decoding(net, precision), dev, backend)
+
+
+@app.command()
+def average(
+    model: Annotated[Path, typer.Argument(help="Trained model directory.")],
+    last: Annotated[
+        int | None, typer.Option("--last", min=1, help="Average the last N kept checkpoints.")
+    ] = None,
+    best: Annotated[
+        int | None,
+        typer.Option(
+            "--best", min=1, help="Average the N kept checkpoints with the best dev BLEU."
+        ),
+    ] = None,
+) -> None:
+    """Average checkpoints' weights into DIR/averaged.safetensors (use with --weights averaged)."""
+    from attnmt.checkpoint import average_checkpoints
+
+    if (last is None) == (best is None):
+        raise AttnmtError("give one of --last N or --best N")
+    if not model.is_dir():
+        raise AttnmtError(f"model directory not found: {model}")
+    by, n = ("last", last) if last is not None else ("best", best)
+    path, steps = average_checkpoints(model, int(n), by)  # type: ignore[arg-type]
+    typer.echo(f"{path}: mean of steps {', '.join(map(str, steps))}")
 
 
 @app.command("eval")

@@ -66,3 +66,36 @@ def test_newer_format_is_refused(tmp_path: Path):
     (tmp_path / "attnmt.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="format version 999 is newer"):
         load_model_dir(tmp_path)
+
+
+def test_average_is_the_mean_of_the_chosen_checkpoints(tmp_path: Path, corpus, run_cli):
+    import torch
+    from safetensors.torch import load_file
+
+    from attnmt.config import from_dict
+    from attnmt.train import train
+
+    from conftest import tiny_config
+
+    raw = tiny_config(corpus)
+    raw["train"].update(max_steps=6, eval_every=2, keep_last=3, keep_best=3)
+    out = tmp_path / "m"
+    train(from_dict(raw), out, quiet=True)
+    step = {s: out / "checkpoints" / f"step-{s:08d}.safetensors" for s in (2, 4, 6)}
+    assert all(f.is_file() for f in step.values())
+    r = run_cli("average", str(out), "--last", "2")
+    assert r.code == 0 and "mean of steps 4, 6" in r.stdout, r
+    averaged, four, six = (load_file(f) for f in (out / "averaged.safetensors", step[4], step[6]))
+    assert averaged.keys() == four.keys()
+    for name, t in averaged.items():
+        torch.testing.assert_close(t, (four[name].double() + six[name].double()).div(2).float())
+    r = run_cli("translate", "-m", str(out), "--weights", "averaged", stdin=b"w1 w2\n")
+    assert r.code == 0 and r.stdout.count("\n") == 1, r
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    bleu = {e["step"]: e["dev_bleu"] for e in log if e["event"] == "validation"}
+    best = sorted(sorted(bleu, key=lambda s: (-bleu[s], -s))[:2])
+    r = run_cli("average", str(out), "--best", "2")
+    assert r.code == 0 and f"mean of steps {best[0]}, {best[1]}" in r.stdout, r
+    r = run_cli("average", str(out), "--last", "5")
+    assert r.code == 2 and "5 checkpoints asked for, 3 kept" in r.stderr
+    assert run_cli("average", str(out)).code == 2  # neither --last nor --best
