@@ -158,6 +158,7 @@ class TrainConfig(_Section):
     log_every: int = Field(100, ge=1)
     keep_best: int = Field(1, ge=1, le=1000)
     keep_last: int = Field(1, ge=1, le=1000)
+    average_last: int = Field(0, ge=0, le=1000)  # 0: off
     max_bad_steps: int = Field(10, ge=1)
     teacher_forcing: TeacherForcingConfig = TeacherForcingConfig()
 
@@ -165,6 +166,11 @@ class TrainConfig(_Section):
     def _betas_in_range(self) -> TrainConfig:
         if not all(0.0 <= b < 1.0 for b in self.adam_betas):
             raise ValueError(f"train.adam_betas = {list(self.adam_betas)}: each must be in [0, 1)")
+        if self.average_last > self.keep_last:
+            raise ValueError(
+                f"train.average_last = {self.average_last} needs train.keep_last >= "
+                f"{self.average_last} (only kept checkpoints can be averaged)"
+            )
         return self
 
 

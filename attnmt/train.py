@@ -41,6 +41,8 @@ from attnmt.checkpoint import (
     LOG_TEXT,
     STATE_FORMAT_VERSION,
     CheckpointRecord,
+    average_checkpoints,
+    kept_checkpoints,
     latest_checkpoint,
     load_train_state,
     load_weights,
@@ -95,6 +97,7 @@ RESUMABLE_KEYS = (
     "train.log_every",
     "train.keep_best",
     "train.keep_last",
+    "train.average_last",
     "train.max_bad_steps",
     "train.eval_batch_tokens",
     "data.workers",
@@ -370,7 +373,9 @@ def train_loop(run: Run) -> dict[str, Any]:
     if p.last_validated != p.step:
         validate(run)
     if ranks.is_main and run.cfg.data.test is not None and (run.out / BEST_FILE).is_file():
-        test_with_best(run)
+        test_with(run, run.out / BEST_FILE, "best")
+    if ranks.is_main and t.average_last:
+        average_at_end(run)
     return finish(run, stop_reason or "max_epochs")
 
 
@@ -887,12 +892,27 @@ def interrupt(run: Run, signum: int) -> None:
     raise TrainingInterrupted(signum, p.step)
 
 
-def test_with_best(run: Run) -> None:
-    """Translate data.test with the best weights and log its BLEU and chrF."""
+def average_at_end(run: Run) -> None:
+    """train.average_last: average the last kept checkpoints (as many as there are, up to it)
+    into averaged.safetensors, log it, and score the test set with it too."""
+    n = min(run.cfg.train.average_last, len(kept_checkpoints(run.out)))
+    if n == 0:
+        return
+    path, steps = average_checkpoints(run.out, n, "last")
+    run.log.event(
+        "average", f"averaged steps {', '.join(map(str, steps))} -> {path.name}", steps=steps
+    )
+    if run.cfg.data.test is not None:
+        test_with(run, path, "averaged")
+
+
+def test_with(run: Run, weights: Path, which: str) -> None:
+    """Translate data.test with the weights in `weights` (`which`: best or averaged) and log
+    its BLEU and chrF."""
     cfg = run.cfg
     assert cfg.data.test is not None
     test_text = read_split_text(cfg.data.test)
-    load_weights(run.model, run.out / BEST_FILE, run.device)
+    load_weights(run.model, weights, run.device)
     hyps = translate_lines(
         run.model, run.tokenizer, test_text.src, search_options(cfg.decode),
         batch_tokens=cfg.train.eval_batch_tokens, device=run.device,
@@ -900,9 +920,10 @@ def test_with_best(run: Run) -> None:
     s = score(hyps, test_text.tgt)
     run.log.event(
         "test",
-        f"test ({cfg.data.test.name.name}, best weights, beam {cfg.decode.beam}): "
+        f"test ({cfg.data.test.name.name}, {which} weights, beam {cfg.decode.beam}): "
         f"BLEU {s.bleu:.2f} | chrF {s.chrf:.2f} | {s.bleu_signature}",
         pairs=len(test_text.src),
+        weights=which,
         beam=cfg.decode.beam,
         skipped_empty=test_text.skipped_empty,
         **s.as_dict(),

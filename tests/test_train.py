@@ -457,9 +457,10 @@ def test_interrupt_saves_last_weights_and_raises(run):
 def test_test_with_best_and_finish(run, corpus):
     run.cfg.data.test = run.cfg.data.dev
     train_mod.validate(run)
-    train_mod.test_with_best(run)
+    train_mod.test_with(run, run.out / "best.safetensors", "best")
     test = events(run.out)[-1]
     assert test["event"] == "test" and test["pairs"] == 20 and "nrefs:1" in test["bleu_signature"]
+    assert test["weights"] == "best"
     summary = train_mod.finish(run, "max_steps")
     assert summary["stop_reason"] == "max_steps" and events(run.out)[-1]["event"] == "done"
 
@@ -472,3 +473,16 @@ def test_model_files_take_the_umask_mode(tmp_path: Path, corpus):
         os.umask(old)
     for name in ("best.safetensors", "config.yaml", "spm.model", "checkpoints/latest.json"):
         assert (tmp_path / "m" / name).stat().st_mode & 0o777 == 0o644, name
+
+
+def test_average_last_averages_at_the_end_and_scores_the_test_set(tmp_path: Path, corpus):
+    raw = config(corpus, max_steps=6, eval_every=2, keep_last=3, average_last=2)
+    raw["data"]["test"] = raw["data"]["dev"]
+    out = tmp_path / "m"
+    train(from_dict(raw), out, quiet=True)
+    log = events(out)
+    assert next(e for e in log if e["event"] == "average")["steps"] == [4, 6]
+    assert [e["weights"] for e in log if e["event"] == "test"] == ["best", "averaged"]
+    assert (out / "averaged.safetensors").is_file()
+    with pytest.raises(ConfigError, match=r"average_last = 3 needs train\.keep_last >= 3"):
+        from_dict(config(corpus, average_last=3, keep_last=2))
