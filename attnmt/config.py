@@ -159,6 +159,7 @@ class TrainConfig(_Section):
     keep_best: int = Field(1, ge=1, le=1000)
     keep_last: int = Field(1, ge=1, le=1000)
     average_last: int = Field(0, ge=0, le=1000)  # 0: off
+    log_samples: int = Field(3, ge=0, le=1000)  # dev examples shown at each validation
     max_bad_steps: int = Field(10, ge=1)
     teacher_forcing: TeacherForcingConfig = TeacherForcingConfig()
 

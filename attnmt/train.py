@@ -98,6 +98,7 @@ RESUMABLE_KEYS = (
     "train.keep_best",
     "train.keep_last",
     "train.average_last",
+    "train.log_samples",
     "train.max_bad_steps",
     "train.eval_batch_tokens",
     "data.workers",
@@ -853,7 +854,23 @@ def validate_main(run: Run) -> bool:
         teacher_forcing=tf,
         elapsed_s=round(run.elapsed(), 1),
     )
+    log_samples(run, hyps)
     return p.bad_validations >= t.patience
+
+
+def log_samples(run: Run, hyps: list[str]) -> None:
+    """The first train.log_samples dev sentences with reference and translation, as JoeyNMT
+    shows them: a `samples` event, and a line per example in train.log and on stderr."""
+    n = min(run.cfg.train.log_samples, len(hyps))
+    if n == 0:
+        return
+    text = run.dev_text
+    rows = [{"src": text.src[i], "ref": text.tgt[i], "hyp": hyps[i]} for i in range(n)]
+    lines = [
+        f"  example {i + 1} | src: {r['src']} | ref: {r['ref']} | hyp: {r['hyp']}"
+        for i, r in enumerate(rows)
+    ]
+    run.log.event("samples", "\n".join(lines), step=run.progress.step, examples=rows)
 
 
 def checkpoint(run: Run, bleu: float | None) -> None:

@@ -436,9 +436,15 @@ def test_validate_saves_weights_checkpoint_and_logs_the_trained_steps_ratio(run)
     assert not train_mod.validate(run)
     assert (run.out / "best.safetensors").is_file() and (run.out / "last.safetensors").is_file()
     assert latest_checkpoint(run.out)[0].name == "step-00000004.safetensors"
-    event = events(run.out)[-1]
+    event, samples = events(run.out)[-2:]
     assert event["event"] == "validation" and event["step"] == 4
     assert event["teacher_forcing"] == pytest.approx(train_mod.step_schedules(4, run.cfg, 1.0)[1])
+    # JoeyNMT-style examples: the first dev sentences with reference and translation
+    assert samples["event"] == "samples" and samples["step"] == 4
+    assert [(e["src"], e["ref"]) for e in samples["examples"]] == list(
+        zip(run.dev_text.src[:3], run.dev_text.tgt[:3], strict=True)
+    )
+    assert "  example 3 | src: " in (run.out / "train.log").read_text()
     run.progress.bad_validations = run.cfg.train.patience - 1
     run.progress.best_bleu = 1000.0
     assert train_mod.validate(run), "patience ran out: stop"
