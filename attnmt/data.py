@@ -1,4 +1,5 @@
-"""Reading and validating parallel files; length-bucketed token batching.
+"""Reading and validating parallel files as streams (two files or one TSV, plain, .gz or a
+pipe); length-bucketed token batching.
 
 Pairs are kept together from the moment they are read: line i of the source is only ever paired
 with line i of the target, and a pair is skipped as a whole (never one side of it), so the two
@@ -15,11 +16,12 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import numpy as np
 import torch
 
+from attnmt.config import SplitConfig
 from attnmt.errors import DataError
 
 
@@ -34,19 +36,6 @@ def decode_line(raw: bytes, name: str, number: int) -> str:
         raise DataError(
             f"{name}:{number}: not valid UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})"
         ) from None
-
-
-def decode_lines(data: bytes, name: str) -> list[str]:
-    """Split raw bytes into lines on '\n' only and decode each as UTF-8.
-
-    Only '\n' ends a line (a trailing '\r' is dropped): str.splitlines would also split on
-    U+2028, form feeds and the like, and shift every later line of one side of a corpus.
-    """
-    if not data:
-        return []  # an empty file has no lines; b"\n" has one, empty
-    if data.endswith(b"\n"):
-        data = data[:-1]
-    return [decode_line(raw, name, i) for i, raw in enumerate(data.split(b"\n"), start=1)]
 
 
 CHUNK_LINES = 4096  # input lines translated together at most (memory stays bounded)
@@ -113,11 +102,6 @@ def read_lines(path: Path) -> list[str]:
     return [line for chunk in input_chunks(path, 1 << 16) for line in chunk]
 
 
-def read_stdin_lines() -> list[str]:
-    """Read standard input as lines, validating UTF-8."""
-    return read_lines(Path("-"))
-
-
 @dataclass
 class ParallelText:
     """Aligned sentence pairs from one split, with how many were skipped and why."""
@@ -127,21 +111,99 @@ class ParallelText:
     skipped_empty: int
 
 
-def read_parallel(src_path: Path, tgt_path: Path) -> ParallelText:
-    """Read a source/target file pair; skip pairs where either side is empty or whitespace."""
-    src = read_lines(src_path)
-    tgt = read_lines(tgt_path)
-    if len(src) != len(tgt):
-        raise DataError(
-            f"line counts differ: {src_path} has {len(src)} lines, {tgt_path} has {len(tgt)}"
-        )
-    keep_src, keep_tgt = [], []
-    for s, t in zip(src, tgt, strict=True):
+def _lines(path: Path) -> Iterator[str]:
+    """path's lines as a stream, validated as input_chunks does."""
+    for chunk in input_chunks(path, 1 << 16):
+        yield from chunk
+
+
+@dataclass
+class PairCounts:
+    read: int = 0  # pairs read
+    empty: int = 0  # skipped: a side empty or whitespace
+
+
+def read_pairs(
+    src_path: Path, tgt_path: Path, counts: PairCounts | None = None
+) -> Iterator[tuple[str, str]]:
+    """Stream the (source, target) pairs with text on both sides, stripped; pairs are never
+    shifted (line i with line i). Files of different lengths are a DataError naming both
+    counts, found when the shorter one ends."""
+    counts = counts if counts is not None else PairCounts()
+    src, tgt = _lines(src_path), _lines(tgt_path)
+    for s in src:
+        t = next(tgt, None)
+        if t is None:
+            n = counts.read + 1 + sum(1 for _ in src)
+            raise DataError(
+                f"line counts differ: {src_path} has {n} lines, {tgt_path} has {counts.read}"
+            )
+        counts.read += 1
         s, t = s.strip(), t.strip()
         if s and t:
-            keep_src.append(s)
-            keep_tgt.append(t)
-    return ParallelText(keep_src, keep_tgt, skipped_empty=len(src) - len(keep_src))
+            yield s, t
+        else:
+            counts.empty += 1
+    rest = sum(1 for _ in tgt)
+    if rest:
+        raise DataError(
+            f"line counts differ: {src_path} has {counts.read} lines, "
+            f"{tgt_path} has {counts.read + rest}"
+        )
+
+
+def read_tsv(
+    path: Path, src_field: int, tgt_field: int, counts: PairCounts | None = None
+) -> Iterator[tuple[str, str]]:
+    """Stream the pairs of a TSV file's 1-based fields src_field and tgt_field, stripped, with
+    text on both sides; a line with too few fields is a DataError with file:line."""
+    counts = counts if counts is not None else PairCounts()
+    need = max(src_field, tgt_field)
+    for line in _lines(path):
+        counts.read += 1
+        fields = line.split("\t")
+        if len(fields) < need:
+            raise DataError(
+                f"{path}:{counts.read}: {len(fields)} tab-separated field(s); src_field "
+                f"{src_field} and tgt_field {tgt_field} need {need}"
+            )
+        s, t = fields[src_field - 1].strip(), fields[tgt_field - 1].strip()
+        if s and t:
+            yield s, t
+        else:
+            counts.empty += 1
+
+
+def read_split(split: SplitConfig, counts: PairCounts | None = None) -> Iterator[tuple[str, str]]:
+    """A corpus's pairs, from two files or one TSV file, as a stream."""
+    if split.tsv is not None:
+        return read_tsv(split.tsv, split.src_field, split.tgt_field, counts)
+    assert split.src is not None and split.tgt is not None
+    return read_pairs(split.src, split.tgt, counts)
+
+
+def read_corpora(
+    splits: list[SplitConfig], counts: PairCounts | None = None
+) -> Iterator[tuple[str, str]]:
+    """The pairs of several corpora, one after the other, as a stream."""
+    for split in splits:
+        yield from read_split(split, counts)
+
+
+def read_split_text(split: SplitConfig) -> ParallelText:
+    """A small corpus (dev, test) in memory."""
+    return _collect(read_split, split)
+
+
+def read_parallel(src_path: Path, tgt_path: Path) -> ParallelText:
+    """A source/target file pair in memory (read_pairs)."""
+    return _collect(read_pairs, src_path, tgt_path)
+
+
+def _collect(read: Any, *args: Any) -> ParallelText:
+    counts = PairCounts()
+    pairs = list(read(*args, counts))
+    return ParallelText([s for s, _ in pairs], [t for _, t in pairs], skipped_empty=counts.empty)
 
 
 @dataclass

@@ -22,111 +22,19 @@ import shutil
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
 
 from attnmt.config import SplitConfig
-from attnmt.data import ParallelText, Ragged, decode_line, open_input
+from attnmt.data import PairCounts, Ragged, read_split
 from attnmt.errors import DataError
 from attnmt.files import atomic_write_bytes, fsync_dir
 
 STORE_DIR = "encoded"
 STORE_FORMAT = 1
 CHUNK_PAIRS = 20_000  # pairs a worker encodes at a time
-
-
-def _lines(path: Path) -> Iterator[str]:
-    """path's lines, decoded as UTF-8 (DataError with file:line otherwise); only '\n' ends a
-    line (a trailing '\r' is dropped), as data.decode_lines."""
-    with open_input(path) as f:
-        try:
-            for i, raw in enumerate(f, start=1):
-                yield decode_line(raw[:-1] if raw.endswith(b"\n") else raw, str(path), i)
-        except (OSError, EOFError) as e:
-            raise DataError(f"cannot read {path}: {e}") from None
-
-
-@dataclass
-class PairCounts:
-    read: int = 0  # pairs read
-    empty: int = 0  # skipped: a side empty or whitespace
-
-
-def read_pairs(
-    src_path: Path, tgt_path: Path, counts: PairCounts | None = None
-) -> Iterator[tuple[str, str]]:
-    """Stream the (source, target) pairs with text on both sides, stripped; pairs are never
-    shifted (line i with line i). Files of different lengths are a DataError naming both
-    counts, found when the shorter one ends."""
-    counts = counts if counts is not None else PairCounts()
-    src, tgt = _lines(src_path), _lines(tgt_path)
-    for s in src:
-        t = next(tgt, None)
-        if t is None:
-            n = counts.read + 1 + sum(1 for _ in src)
-            raise DataError(
-                f"line counts differ: {src_path} has {n} lines, {tgt_path} has {counts.read}"
-            )
-        counts.read += 1
-        s, t = s.strip(), t.strip()
-        if s and t:
-            yield s, t
-        else:
-            counts.empty += 1
-    rest = sum(1 for _ in tgt)
-    if rest:
-        raise DataError(
-            f"line counts differ: {src_path} has {counts.read} lines, "
-            f"{tgt_path} has {counts.read + rest}"
-        )
-
-
-def read_tsv(
-    path: Path, src_field: int, tgt_field: int, counts: PairCounts | None = None
-) -> Iterator[tuple[str, str]]:
-    """Stream the pairs of a TSV file's 1-based fields src_field and tgt_field, stripped, with
-    text on both sides; a line with too few fields is a DataError with file:line."""
-    counts = counts if counts is not None else PairCounts()
-    need = max(src_field, tgt_field)
-    for line in _lines(path):
-        counts.read += 1
-        fields = line.split("\t")
-        if len(fields) < need:
-            raise DataError(
-                f"{path}:{counts.read}: {len(fields)} tab-separated field(s); src_field "
-                f"{src_field} and tgt_field {tgt_field} need {need}"
-            )
-        s, t = fields[src_field - 1].strip(), fields[tgt_field - 1].strip()
-        if s and t:
-            yield s, t
-        else:
-            counts.empty += 1
-
-
-def read_split(split: SplitConfig, counts: PairCounts | None = None) -> Iterator[tuple[str, str]]:
-    """A corpus's pairs, from two files or one TSV file, as a stream."""
-    if split.tsv is not None:
-        return read_tsv(split.tsv, split.src_field, split.tgt_field, counts)
-    assert split.src is not None and split.tgt is not None
-    return read_pairs(split.src, split.tgt, counts)
-
-
-def read_corpora(
-    splits: list[SplitConfig], counts: PairCounts | None = None
-) -> Iterator[tuple[str, str]]:
-    """The pairs of several corpora, one after the other, as a stream."""
-    for split in splits:
-        yield from read_split(split, counts)
-
-
-def read_split_text(split: SplitConfig) -> ParallelText:
-    """A small corpus (dev, test) in memory."""
-    counts = PairCounts()
-    pairs = list(read_split(split, counts))
-    return ParallelText([s for s, _ in pairs], [t for _, t in pairs], skipped_empty=counts.empty)
 
 
 def fingerprint(paths: list[Path]) -> list[dict[str, Any]]:

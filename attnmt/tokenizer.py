@@ -8,14 +8,15 @@ import math
 import random
 import re
 from collections.abc import Iterable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import sentencepiece as spm
 
-from attnmt.errors import AttnmtError, CheckpointError, ConfigError, DataError
+from attnmt.data import read_corpora
+from attnmt.errors import CheckpointError, ConfigError, DataError
 from attnmt.processes import run_in_child
-from attnmt.store import PairCounts, read_corpora
 
 if TYPE_CHECKING:
     from attnmt.config import SplitConfig, TokenizerConfig
@@ -96,6 +97,19 @@ def reservoir_sample(items: Iterator[str], k: int, rng: random.Random) -> list[s
         w *= math.exp(math.log(1.0 - rng.random()) / k)
 
 
+def _train_on_sample(
+    corpora: list[SplitConfig], sides: tuple[int, ...], cfg: TokenizerConfig, seed: int
+) -> bytes:
+    """A SentencePiece model of the corpora's sides `sides` (0: source, 1: target), trained on
+    a random sample of their sentences drawn with `seed`. The whole corpus is read (and
+    validated) while sampling, before SentencePiece's C++ trainer starts."""
+    sentences = (pair[k] for pair in read_corpora(corpora) for k in sides)
+    sample = reservoir_sample(sentences, SAMPLE_SENTENCES, random.Random(seed))
+    if not sample:
+        raise DataError(f"{corpora[0].name}: no sentence pairs with text on both sides")
+    return train_sentencepiece(sample, cfg.vocab_size, cfg.model_type, cfg.character_coverage)
+
+
 class SubwordVocab:
     """One SentencePiece model: text <-> ids."""
 
@@ -161,36 +175,10 @@ class Tokenizer:
         cls, corpora: list[SplitConfig], cfg: TokenizerConfig, seed: int
     ) -> Tokenizer:
         """Train on a parallel corpus read as a stream (never held whole; pairs validated as
-        attnmt.store.read_pairs does), sampled with `seed`, each model in a child process."""
+        attnmt.data.read_pairs does), sampled with `seed`, each model in a child process."""
 
         def trained(sides: tuple[int, ...]) -> SubwordVocab:
-            def work() -> bytes:
-                counts, failure = PairCounts(), []
-
-                def sentences() -> Iterator[str]:
-                    try:  # an error must not pass through SentencePiece's C++ reader
-                        for pair in read_corpora(corpora, counts):
-                            yield from (pair[k] for k in sides)
-                    except DataError as e:
-                        failure.append(e)
-
-                sample = reservoir_sample(sentences(), SAMPLE_SENTENCES, random.Random(seed))
-                try:
-                    proto = train_sentencepiece(
-                        sample, cfg.vocab_size, cfg.model_type, cfg.character_coverage
-                    )
-                except AttnmtError:
-                    if not failure and counts.read == counts.empty:
-                        raise DataError(
-                            f"{corpora[0].name}: no sentence pairs with text on both sides"
-                        ) from None
-                    if not failure:
-                        raise
-                if failure:
-                    raise failure[0]
-                return proto
-
-            return SubwordVocab(run_in_child(work))
+            return SubwordVocab(run_in_child(partial(_train_on_sample, corpora, sides, cfg, seed)))
 
         if cfg.joint:
             vocab = trained((0, 1))

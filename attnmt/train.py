@@ -52,7 +52,7 @@ from attnmt.checkpoint import (
     write_run_files,
 )
 from attnmt.config import Config, from_dict, read_yaml
-from attnmt.data import BucketSampler, ParallelText, collate
+from attnmt.data import BucketSampler, ParallelText, collate, read_split_text
 from attnmt.errors import (
     CheckpointError,
     ConfigError,
@@ -80,7 +80,6 @@ from attnmt.store import (
     check_fingerprint,
     default_workers,
     open_store,
-    read_split_text,
 )
 from attnmt.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 

@@ -10,9 +10,9 @@ import pytest
 import attnmt.store as store_mod
 import attnmt.tokenizer as tokenizer_mod
 from attnmt.config import SplitConfig, TokenizerConfig, from_dict
-from attnmt.data import read_parallel
+from attnmt.data import read_pairs, read_parallel
 from attnmt.errors import DataError
-from attnmt.store import TokenStore, build_store, read_pairs
+from attnmt.store import TokenStore, build_store
 from attnmt.tokenizer import Tokenizer
 from attnmt.train import train
 
@@ -125,8 +125,8 @@ def test_reservoir_sample_is_uniform_and_whole_when_small():
 
 
 def test_a_tsv_corpus_gives_the_pairs_of_two_files(tmp_path: Path, corpus):
+    from attnmt.data import read_split
     from attnmt.errors import ConfigError
-    from attnmt.store import read_split
 
     src, tgt = (
         corpus["train_src"].read_text().splitlines(),
