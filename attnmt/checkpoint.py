@@ -21,6 +21,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import math
 import os
 import pickle
 import re
@@ -144,24 +145,34 @@ def kept_checkpoints(model_dir: Path) -> dict[int, Path]:
     return found
 
 
+def dev_scores(model_dir: Path) -> dict[int, float]:
+    """{step: dev score} of the validations in train_log.jsonl, higher is better, of the
+    metric each names (BLEU, chrF, or the dev loss negated)."""
+    scores = {}
+    for line in (model_dir / LOG_JSONL).read_text(encoding="utf-8").splitlines():
+        event = json.loads(line)
+        if event.get("event") == "validation":
+            metric = event.get("metric", "bleu")
+            value = event.get("dev_loss" if metric == "loss" else f"dev_{metric}")
+            if value is not None and math.isfinite(value):
+                scores[int(event["step"])] = -value if metric == "loss" else value
+    return scores
+
+
 def average_checkpoints(model_dir: Path, n: int, by: str) -> tuple[Path, list[int]]:
     """Write model_dir/averaged.safetensors, the element-wise mean of n kept checkpoints: the
-    last n by step (by="last") or the n with the best dev BLEU in train_log.jsonl (by="best").
-    Returns the file and the steps averaged."""
+    last n by step (by="last") or the n with the best dev score in train_log.jsonl (by="best":
+    of the metric train.early_stopping named). Returns the file and the steps averaged."""
     kept = kept_checkpoints(model_dir)
     if by == "best":
-        bleu = {}
-        for line in (model_dir / LOG_JSONL).read_text(encoding="utf-8").splitlines():
-            event = json.loads(line)
-            if event.get("event") == "validation" and event.get("dev_bleu") is not None:
-                bleu[int(event["step"])] = float(event["dev_bleu"])
-        steps = sorted((s for s in kept if s in bleu), key=lambda s: (-bleu[s], -s))[:n]
+        scores = dev_scores(model_dir)
+        steps = sorted((s for s in kept if s in scores), key=lambda s: (-scores[s], -s))[:n]
     else:
         steps = sorted(kept)[-n:]
     if len(steps) < n:
         raise CheckpointError(
             f"{model_dir}: {n} checkpoints asked for, {len(steps)} kept"
-            + (" with a dev BLEU" if by == "best" else "")
+            + (" with a dev score" if by == "best" else "")
             + f" ({', '.join(f'step-{s}' for s in sorted(kept)) or 'none'}); raise train.keep_{by}"
         )
     first, aliases = read_tensors(kept[steps[0]])
@@ -277,7 +288,7 @@ def _clear_or_reuse(out: Path, overwrite: bool, resume: bool) -> None:
 @dataclass
 class CheckpointRecord:
     step: int
-    bleu: float | None  # dev BLEU when saved at a validation, None for an interrupt save
+    score: float | None  # dev score (train.early_stopping's, higher is better) at a validation
 
 
 def save_checkpoint(
@@ -302,7 +313,7 @@ def save_checkpoint(
     pointer = {"step": step, "weights": weights.name, "state": state_file.name}
     atomic_write_bytes(ckpt / LATEST, json.dumps(pointer).encode("utf-8"))
     keep = {r.step for r in records[-keep_last:]}
-    scored = sorted((r for r in records if r.bleu is not None), key=lambda r: -(r.bleu or 0.0))
+    scored = sorted((r for r in records if r.score is not None), key=lambda r: -(r.score or 0.0))
     keep |= {r.step for r in scored[:keep_best]}
     for f in ckpt.iterdir():
         m = _STEP_FILE.match(f.name)
@@ -433,11 +444,8 @@ def resolve_weights(model_dir: Path, weights: str) -> Path:
     return path
 
 
-def load_model_dir(
-    model_dir: Path, weights: str = "best", device: torch.device | str = "cpu"
-) -> tuple[Config, Tokenizer, Seq2Seq]:
-    """Load config, tokenizer and model (in eval mode) from a model directory; `weights` as
-    resolve_weights takes it."""
+def read_run_files(model_dir: Path) -> tuple[Config, dict[str, Any]]:
+    """A model directory's config and metadata, checked against each other (check_run_files)."""
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory not found: {model_dir}")
     meta_path, cfg_path = model_dir / META_FILE, model_dir / CONFIG_FILE
@@ -448,7 +456,7 @@ def load_model_dir(
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
         version = int(meta["format_version"])
-        src_vocab, tgt_vocab = int(meta["src_vocab_size"]), int(meta["tgt_vocab_size"])
+        int(meta["src_vocab_size"]), int(meta["tgt_vocab_size"])
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{meta_path}: unreadable metadata ({e})") from None
     if version > FORMAT_VERSION:
@@ -458,6 +466,16 @@ def load_model_dir(
         )
     cfg = from_dict(read_yaml(cfg_path))
     check_run_files(model_dir, meta, cfg)
+    return cfg, meta
+
+
+def load_model_dir(
+    model_dir: Path, weights: str = "best", device: torch.device | str = "cpu"
+) -> tuple[Config, Tokenizer, Seq2Seq]:
+    """Load config, tokenizer and model (in eval mode) from a model directory; `weights` as
+    resolve_weights takes it."""
+    cfg, meta = read_run_files(model_dir)
+    src_vocab, tgt_vocab = int(meta["src_vocab_size"]), int(meta["tgt_vocab_size"])
     tokenizer = Tokenizer.load(model_dir, cfg.tokenizer.joint)
     for side, vocab, size in (
         ("source", tokenizer.src, src_vocab),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -112,6 +112,14 @@ def train(
     quiet: Annotated[
         bool, typer.Option("--quiet", "-q", help="No progress bar or log lines on stderr.")
     ] = False,
+    init_from: Annotated[
+        Path | None,
+        typer.Option("--init-from", help="Fine-tune: start from this model directory."),
+    ] = None,
+    time_budget: Annotated[
+        str | None,
+        typer.Option("--time-budget", help="Stop by wall clock, e.g. 30m, 2h, 1h30m, 90s."),
+    ] = None,
 ) -> None:
     """Train a SentencePiece model and an encoder-decoder from a YAML config."""
     from attnmt.config import load_config
@@ -119,7 +127,12 @@ def train(
 
     if resume and overwrite:
         raise AttnmtError("--resume and --overwrite contradict each other; pick one")
-    cfg = load_config(config, overrides or [])
+    overrides = list(overrides or [])
+    if init_from is not None:
+        overrides.append(f"train.init_from={json.dumps(str(init_from))}")  # JSON is YAML
+    if time_budget is not None:
+        overrides.append(f"train.time_budget={json.dumps(time_budget)}")
+    cfg = load_config(config, overrides)
     run_training(cfg, out, overwrite=overwrite, resume=resume, quiet=quiet)
 
 
@@ -171,15 +184,26 @@ def translate(
             "--attention-head", min=0, help="Transformer: one head (default: mean of heads)."
         ),
     ] = None,
+    sampling: Annotated[
+        bool, typer.Option("--sampling", help="Draw translations instead of searching.")
+    ] = False,
+    temperature: Annotated[
+        float, typer.Option("--temperature", min=0.01, max=100.0, help="Sampling temperature.")
+    ] = 1.0,
+    top_k: Annotated[
+        int, typer.Option("--top-k", min=0, help="Sample from the K likeliest tokens (0: all).")
+    ] = 0,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="Sampling seed.")] = 0,
     weights: WeightsOption = "best",
     device: DeviceOption = "auto",
     workers: WorkersOption = None,
     precision: PrecisionOption = None,
     matmul: MatmulOption = None,
 ) -> None:
-    """Translate text, one line in, one line out (beam search, or greedy with --beam 1)."""
+    """Translate text, one line in, one line out (beam search, greedy with --beam 1, or
+    --sampling: --n-best K draws K per line)."""
     from attnmt.data import input_chunks, open_input
-    from attnmt.evaluate import search_options
+    from attnmt.evaluate import SEED_MASK, search_options
     from attnmt.evaluate import translate as run_translate
     from attnmt.kernels import matmul_backend
 
@@ -189,20 +213,25 @@ def translate(
         open_input(input).close()  # a missing or unreadable file fails before the model loads
     loaded = _load(model, weights, device, precision, matmul)
     cfg = loaded.cfg
+    if sampling and beam is not None:
+        raise AttnmtError("--sampling draws instead of searching: drop --beam")
     beam = cfg.decode.beam if beam is None else beam
-    if n_best > beam:
+    if n_best > beam and not sampling:
         raise AttnmtError(f"--n-best {n_best} exceeds the beam size {beam}; raise --beam")
     spec = None
     if attention is not None:
         spec = _attention_spec(cfg, attention, attention_layer, attention_head)
     options = search_options(
-        cfg.decode, beam=beam, length_penalty=length_penalty, n_best=n_best, attention=spec
-    )
+        cfg.decode, beam=beam, length_penalty=length_penalty, n_best=n_best, attention=spec,
+        sampling=(temperature, top_k, seed) if sampling else None,
+    )  # fmt: skip
     done = 0  # lines translated so far
     # Chunk by chunk, written as each is done: memory stays bounded, and a line sent alone
     # through a pipe or typed at a terminal is answered at once.
     with OutputSink(output) as sink, matmul_backend(loaded.matmul):
         for lines in input_chunks(input):
+            if sampling:  # each chunk its own seed: its batches' seeds count from 0 again
+                options = replace(options, seed=hash((seed, done)) & SEED_MASK)
             results = run_translate(
                 loaded.model, loaded.tokenizer, lines, options,
                 batch_tokens=batch_tokens or cfg.decode.batch_tokens, device=loaded.device,
@@ -342,6 +371,21 @@ def average(
     by, n = ("last", last) if last is not None else ("best", best)
     path, steps = average_checkpoints(model, int(n), by)  # type: ignore[arg-type]
     typer.echo(f"{path}: mean of steps {', '.join(map(str, steps))}")
+
+
+@app.command()
+def plot(
+    models: Annotated[list[Path], typer.Argument(help="Model directories (one or more).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="PNG file to write.")] = Path(
+        "curves.png"
+    ),
+) -> None:
+    """Draw training curves (loss, dev BLEU, lr against steps and minutes) of runs into a PNG."""
+    from attnmt.plot import plot_runs
+
+    check_output_path(output, "--output")
+    plot_runs(models, output)
+    typer.echo(f"{output}: curves of {', '.join(str(m) for m in models)}")
 
 
 @app.command("eval")

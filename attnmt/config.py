@@ -7,12 +7,20 @@ resolved config (absolute paths, defaults filled in) is what the model directory
 
 from __future__ import annotations
 
+import re
 import reprlib
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from attnmt.errors import ConfigError
 
@@ -84,6 +92,46 @@ class TokenizerConfig(_Section):
     joint: bool = True
     model_type: Literal["unigram", "bpe"] = "unigram"
     character_coverage: float = Field(1.0, gt=0.0, le=1.0)
+    # An existing SentencePiece model instead of training one: `model` when joint, else
+    # `src_model` and `tgt_model`. vocab_size, model_type and character_coverage then describe
+    # nothing: set to other than their defaults, they are refused.
+    model: Path | None = None
+    src_model: Path | None = None
+    tgt_model: Path | None = None
+
+    @model_validator(mode="after")
+    def _given_models(self) -> TokenizerConfig:
+        given = [k for k in ("model", "src_model", "tgt_model") if getattr(self, k) is not None]
+        if not given:
+            return self
+        need = ["model"] if self.joint else ["src_model", "tgt_model"]
+        if sorted(given) != sorted(need):
+            raise ValueError(
+                f"tokenizer.joint = {str(self.joint).lower()} takes "
+                f"{' and '.join('tokenizer.' + k for k in need)} (got "
+                f"{', '.join('tokenizer.' + k for k in given)})"
+            )
+        # Keys for training one, when not at their defaults (a saved config has every key).
+        defaults = TokenizerConfig.model_fields
+        trained = [
+            k for k in ("vocab_size", "model_type", "character_coverage")
+            if getattr(self, k) != defaults[k].default
+        ]  # fmt: skip
+        if trained:
+            raise ValueError(
+                f"tokenizer.{sorted(trained)[0]} is for training a SentencePiece model; "
+                f"tokenizer.{need[0]} gives one already"
+            )
+        return self
+
+    @property
+    def given(self) -> list[Path] | None:
+        """The SentencePiece model files the config gives (joint: one), or None."""
+        if self.model is not None:
+            return [self.model]
+        if self.src_model is not None and self.tgt_model is not None:
+            return [self.src_model, self.tgt_model]
+        return None
 
 
 class ModelConfig(_Section):
@@ -136,7 +184,7 @@ class TrainConfig(_Section):
     batch_tokens: int = Field(4096, ge=1)
     batch_sentences: int | None = Field(None, ge=1)
     lr: float = Field(5e-4, gt=0.0, le=10.0)
-    lr_schedule: Literal["inverse_sqrt", "plateau", "constant"] = "inverse_sqrt"
+    lr_schedule: Literal["inverse_sqrt", "plateau", "constant", "budget"] = "inverse_sqrt"
     warmup_steps: int = Field(4000, ge=0)
     plateau_factor: float = Field(0.5, gt=0.0, lt=1.0)
     plateau_patience: int = Field(2, ge=0)
@@ -155,6 +203,10 @@ class TrainConfig(_Section):
     eval_batch_tokens: int = Field(8000, ge=1)
     eval_beam: int = Field(1, ge=1, le=100)
     patience: int = Field(10, ge=1)
+    early_stopping: Literal["bleu", "chrf", "loss"] = "bleu"  # the dev metric that picks best
+    time_budget: float | None = Field(None, gt=0.0)  # seconds; YAML may say 30m, 2h, 1h30m, 90s
+    init_from: Path | None = None  # fine-tune: start from this model directory's weights
+    tensorboard: bool = True  # scalars and dev examples in DIR/tensorboard/
     log_every: int = Field(100, ge=1)
     keep_best: int = Field(1, ge=1, le=1000)
     keep_last: int = Field(1, ge=1, le=1000)
@@ -162,6 +214,11 @@ class TrainConfig(_Section):
     log_samples: int = Field(3, ge=0, le=1000)  # dev examples shown at each validation
     max_bad_steps: int = Field(10, ge=1)
     teacher_forcing: TeacherForcingConfig = TeacherForcingConfig()
+
+    @field_validator("time_budget", mode="before")
+    @classmethod
+    def _duration(cls, value: Any) -> Any:
+        return parse_duration(value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _betas_in_range(self) -> TrainConfig:
@@ -172,7 +229,18 @@ class TrainConfig(_Section):
                 f"train.average_last = {self.average_last} needs train.keep_last >= "
                 f"{self.average_last} (only kept checkpoints can be averaged)"
             )
+        if self.lr_schedule == "budget" and self.time_budget is None:
+            raise ValueError("train.lr_schedule = 'budget' decays to train.time_budget: set it")
         return self
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in '90', '90s', '30m', '2h', '1h30m' or '1.5h'."""
+    compact = re.sub(r"\s+", "", text.lower())
+    if not re.fullmatch(r"(\d+(\.\d+)?[hms]?)+", compact):
+        raise ValueError(f"{quote(text)} is not a duration (say 90s, 30m, 2h or 1h30m)")
+    scale = {"h": 3600.0, "m": 60.0, "s": 1.0, "": 1.0}
+    return sum(float(n) * scale[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)([hms]?)", compact))
 
 
 class DecodeConfig(_Section):
@@ -357,7 +425,14 @@ def resolve_paths(cfg: Config, base: Path) -> Config:
             for key in ("src", "tgt", "tsv"):
                 if getattr(split, key) is not None:
                     setattr(split, key, (base / getattr(split, key)).absolute())
-    return cfg.model_copy(update={"data": data})
+    tok = cfg.tokenizer.model_copy(deep=True)
+    for key in ("model", "src_model", "tgt_model"):
+        if getattr(tok, key) is not None:
+            setattr(tok, key, (base / getattr(tok, key)).absolute())
+    train = cfg.train.model_copy()
+    if train.init_from is not None:
+        train.init_from = (base / train.init_from).absolute()
+    return cfg.model_copy(update={"data": data, "tokenizer": tok, "train": train})
 
 
 def to_yaml(cfg: Config) -> str:

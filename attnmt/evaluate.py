@@ -21,7 +21,7 @@ from attnmt.data import pad_sequences, sorted_batches
 from attnmt.errors import AttnmtError
 from attnmt.kernels import PRECISION_DTYPES
 from attnmt.processes import die_with_parent
-from attnmt.search import Hypothesis, SearchOptions, beam_search, greedy_search
+from attnmt.search import Hypothesis, SearchOptions, beam_search, greedy_search, sample
 from attnmt.seq2seq import AttentionSpec, Seq2Seq
 from attnmt.tokenizer import EOS_ID, PAD_ID, Tokenizer
 
@@ -92,6 +92,9 @@ def translate(
     return outputs
 
 
+SEED_MASK = 2**63 - 1  # torch generators take seeds below 2 ** 64
+
+
 @dataclass(frozen=True)
 class _SearchJob:
     """What searching a batch needs besides the batch: a batch is a list of indices into src."""
@@ -105,6 +108,9 @@ class _SearchJob:
     def __call__(self, batch: list[int]) -> list[list[Hypothesis]]:
         tokens = pad_sequences([self.src[j] for j in batch], PAD_ID).to(self.device)  # (B, S)
         pad_mask = tokens == PAD_ID  # (B, S)
+        if self.options.sampling:  # a seed per batch: the draws do not depend on --workers
+            options = replace(self.options, seed=hash((self.options.seed, batch[0])) & SEED_MASK)
+            return sample(self.model, tokens, pad_mask, options)
         if self.options.beam == 1:
             return [[h] for h in greedy_search(self.model, tokens, pad_mask, self.options)]
         return beam_search(self.model, tokens, pad_mask, self.options)
@@ -240,10 +246,12 @@ def search_options(
     length_penalty: float | None = None,
     n_best: int = 1,
     attention: AttentionSpec | None = None,
+    sampling: tuple[float, int, int] | None = None,
 ) -> SearchOptions:
     """The one place SearchOptions are built: a config's decode section, with beam and length
     penalty overridable (flags, train.eval_beam). Scores are computed only for n-best lists,
-    the one output that shows them."""
+    the one output that shows them. `sampling`: (temperature, top_k, seed) to sample."""
+    temperature, top_k, seed = sampling or (1.0, 0, 0)
     return SearchOptions(
         beam=cfg.beam if beam is None else beam,
         length_penalty=cfg.length_penalty if length_penalty is None else length_penalty,
@@ -254,6 +262,10 @@ def search_options(
         n_best=n_best,
         attention=attention,
         scores=n_best > 1,
+        sampling=sampling is not None,
+        temperature=temperature,
+        top_k=top_k,
+        seed=seed,
     )
 
 

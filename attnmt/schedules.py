@@ -25,6 +25,13 @@ def warmup_lr(step: int, peak_lr: float, warmup_steps: int) -> float:
     return peak_lr * max(step, 1) / warmup_steps
 
 
+def budget_lr(step: int, peak_lr: float, warmup_steps: int, used: float) -> float:
+    """Linear warmup over warmup_steps, then linear decay to zero when the time budget is spent:
+    peak_lr * min(step / warmup_steps, 1 - used), `used` the share of train.time_budget spent
+    (the budget-aware linear schedule of Li et al., "Budgeted Training", ICLR 2020)."""
+    return min(warmup_lr(step, peak_lr, warmup_steps), peak_lr * max(1.0 - used, 0.0))
+
+
 def _inverse_sigmoid_shape(p: float) -> float:
     """1 at p=0, 0 at p=1, an inverse sigmoid centred at p=0.5 in between."""
 

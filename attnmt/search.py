@@ -7,6 +7,7 @@ every sentence as one (sentences × beam) tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,12 @@ class SearchOptions:
     attention: AttentionSpec | None = None  # return this attention per hypothesis
     # Greedy search only (beam search needs them): compute Hypothesis.score, else NaN.
     scores: bool = True
+    # Sampling instead of search: n_best draws per sentence from the model's distribution
+    # softened by temperature and cut to the top_k tokens (0: all), from a seeded generator.
+    sampling: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    seed: int = 0
 
 
 @dataclass
@@ -105,8 +112,9 @@ def greedy_search(
     src: torch.Tensor,
     src_pad_mask: torch.Tensor,
     options: SearchOptions,
+    pick: Callable[[torch.Tensor], torch.Tensor] = argmax_rows,
 ) -> list[Hypothesis]:
-    """Take the argmax at every step.
+    """Take the argmax (or what `pick` chooses from each row of logits) at every step.
 
     Finished sentences leave the batch in groups (see COMPACT_SHARE); until then their rows
     are decoded and ignored, which changes nothing in the others: rows never mix.
@@ -131,7 +139,7 @@ def greedy_search(
     attn_steps: list[torch.Tensor] = []  # per step: (B, S)
     for t in range(int(limits.max())):
         logits, state, attn = model.decode_step(memory, state, prev, attention)  # (B_r, V)
-        nxt = argmax_rows(logits)  # (B_r,)
+        nxt = pick(logits)  # (B_r,)
         if scores:
             logp = torch.log_softmax(logits.float(), dim=-1).gather(1, nxt[:, None])  # (B_r, 1)
             total.index_add_(0, rows, logp.squeeze(1).masked_fill(~live, 0.0))
@@ -160,6 +168,30 @@ def greedy_search(
         a = torch.stack([s[i] for s in attn_steps[: n + int(ended)]]) if attn_steps else None
         hyps.append(Hypothesis(row[:n], float(total[i]), ended, a))
     return hyps
+
+
+@torch.no_grad()
+def sample(
+    model: Seq2Seq, src: torch.Tensor, src_pad_mask: torch.Tensor, options: SearchOptions
+) -> list[list[Hypothesis]]:
+    """options.n_best draws per sentence, token by token from softmax(logits / temperature)
+    over the top_k tokens (ancestral sampling, for back-translation: Edunov et al. 2018,
+    https://arxiv.org/abs/1808.09381). Scores are the model's own log-probabilities."""
+    k = options.n_best
+    generator = torch.Generator(device=src.device).manual_seed(options.seed)
+
+    def draw(logits: torch.Tensor) -> torch.Tensor:  # (B_r, V) -> (B_r,)
+        logits = logits.float() / options.temperature
+        if 0 < options.top_k < logits.size(1):
+            kth = logits.topk(options.top_k, dim=1).values[:, -1:]  # (B_r, 1)
+            logits = logits.masked_fill(logits < kth, -torch.inf)
+        probs = torch.softmax(logits, dim=1)
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+    rows = greedy_search(
+        model, src.repeat_interleave(k, 0), src_pad_mask.repeat_interleave(k, 0), options, draw
+    )
+    return [rows[i * k : (i + 1) * k] for i in range(src.size(0))]
 
 
 @torch.no_grad()

@@ -110,6 +110,61 @@ def _train_on_sample(
     return train_sentencepiece(sample, cfg.vocab_size, cfg.model_type, cfg.character_coverage)
 
 
+_CONTROL, _UNKNOWN = 3, 2  # ModelProto.SentencePiece.Type
+
+
+def conform(proto: bytes, path: Path) -> bytes:
+    """A SentencePiece model made elsewhere, its special pieces moved to our ids (pad 0, unk 1,
+    bos 2, eos 3, the order of the other pieces kept, each with its score): the pieces are
+    reordered in the model itself, so ids need no mapping afterwards. A missing pad, bos or eos
+    piece is added (spm_train's default has no pad). ConfigError naming `path` when it cannot
+    be one of ours."""
+    from google.protobuf.message import DecodeError
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    m = pb.ModelProto()
+    try:
+        m.ParseFromString(proto)
+    except DecodeError:
+        m.Clear()
+    unknown = [i for i, p in enumerate(m.pieces) if p.type == _UNKNOWN]
+    if len(unknown) != 1:
+        raise ConfigError(f"{path}: not a SentencePiece model (no unknown-word piece)")
+    spec = m.trainer_spec
+    special = [None, unknown[0], None, None]
+    for our_id, name in (
+        (PAD_ID, spec.pad_piece),
+        (BOS_ID, spec.bos_piece),
+        (EOS_ID, spec.eos_piece),
+    ):
+        found = [i for i, p in enumerate(m.pieces) if p.piece == name]
+        if found and m.pieces[found[0]].type != _CONTROL:
+            raise ConfigError(
+                f"{path}: its piece {name!r} is an ordinary piece, but attnmt needs it as the "
+                "control symbol it is in SentencePiece's defaults"
+            )
+        special[our_id] = found[0] if found else None
+    pieces = []
+    for i, name in zip(
+        special, (spec.pad_piece, None, spec.bos_piece, spec.eos_piece), strict=True
+    ):
+        piece = pb.ModelProto.SentencePiece()
+        if i is None:
+            piece.piece, piece.score, piece.type = name, 0.0, _CONTROL
+        else:
+            piece.CopyFrom(m.pieces[i])
+        pieces.append(piece)
+    pieces += [p for i, p in enumerate(m.pieces) if i not in special]
+    del m.pieces[:]
+    m.pieces.extend(pieces)
+    spec.pad_id, spec.unk_id, spec.bos_id, spec.eos_id = PAD_ID, UNK_ID, BOS_ID, EOS_ID
+    out = m.SerializeToString()
+    sp = spm.SentencePieceProcessor(model_proto=out)
+    if (sp.pad_id(), sp.unk_id(), sp.bos_id(), sp.eos_id()) != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
+        raise ConfigError(f"{path}: its special pieces cannot be given attnmt's ids")
+    return out
+
+
 class SubwordVocab:
     """One SentencePiece model: text <-> ids."""
 
@@ -184,6 +239,19 @@ class Tokenizer:
             vocab = trained((0, 1))
             return cls(vocab, vocab)
         return cls(trained((0,)), trained((1,)))
+
+    @classmethod
+    def from_files(cls, paths: list[Path]) -> Tokenizer:
+        """Given SentencePiece model file(s) (one: joint; two: source and target), their
+        special pieces moved to our ids (`conform`)."""
+        vocabs = []
+        for path in paths:
+            try:
+                proto = path.read_bytes()
+            except OSError as e:
+                raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
+            vocabs.append(SubwordVocab(conform(proto, path)))
+        return cls(vocabs[0], vocabs[-1])
 
     def files(self) -> dict[str, bytes]:
         """File name -> content, for the model directory."""

@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from attnmt import distributed
+from attnmt.board import Board
 from attnmt.checkpoint import (
     BEST_FILE,
     CONFIG_FILE,
@@ -47,6 +48,7 @@ from attnmt.checkpoint import (
     load_train_state,
     load_weights,
     prepare_output_dir,
+    resolve_weights,
     save_checkpoint,
     save_weights,
     write_run_files,
@@ -61,6 +63,7 @@ from attnmt.errors import (
     TrainingInterrupted,
 )
 from attnmt.evaluate import score, search_options, translate_lines
+from attnmt.finetune import inherit
 from attnmt.kernels import (
     CPU_MATMUL_INSTRUCTIONS,
     PRECISION_DTYPES,
@@ -71,7 +74,7 @@ from attnmt.kernels import (
 from attnmt.kernels.matmul import active as active_backend
 from attnmt.model import build_model
 from attnmt.processes import run_in_child
-from attnmt.schedules import inverse_sqrt_lr, teacher_forcing_ratio, warmup_lr
+from attnmt.schedules import budget_lr, inverse_sqrt_lr, teacher_forcing_ratio, warmup_lr
 from attnmt.seq2seq import Seq2Seq
 from attnmt.store import (
     STORE_DIR,
@@ -98,11 +101,16 @@ RESUMABLE_KEYS = (
     "train.keep_last",
     "train.average_last",
     "train.log_samples",
+    "train.tensorboard",
+    "train.time_budget",
     "train.max_bad_steps",
     "train.eval_batch_tokens",
     "data.workers",
     "decode.",
 )
+
+
+METRIC_NAMES = {"bleu": "BLEU", "chrf": "chrF", "loss": "loss"}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -121,6 +129,7 @@ class RunLog:
         """enabled=False (ranks other than 0 of a multi-process run) logs nothing."""
         self.enabled = enabled
         self.quiet = quiet
+        self.board: Board | None = None  # TensorBoard, once setup opened it
         if enabled:
             self.text = open(out / LOG_TEXT, "a", encoding="utf-8")  # noqa: SIM115 (see close)
             self.jsonl = open(out / LOG_JSONL, "a", encoding="utf-8")  # noqa: SIM115
@@ -131,6 +140,8 @@ class RunLog:
             return
         self.jsonl.write(json.dumps({"event": kind, **fields}) + "\n")
         self.jsonl.flush()
+        if self.board is not None:
+            self.board.event(kind, fields)
         if line is not None:
             self.text.write(line + "\n")
             self.text.flush()
@@ -142,6 +153,8 @@ class RunLog:
         if self.enabled:
             self.text.close()
             self.jsonl.close()
+        if self.board is not None:
+            self.board.close()
 
 
 @dataclass
@@ -163,7 +176,7 @@ class Progress:
     step: int = 0
     epoch: int = 1
     batch_in_epoch: int = 0  # batches of `epoch` already consumed (trained on or skipped)
-    best_bleu: float = -math.inf
+    best_score: float = -math.inf  # of train.early_stopping's metric, higher is better
     bad_validations: int = 0  # validations since the last improvement (early stopping)
     plateau_scale: float = 1.0
     plateau_bad: int = 0
@@ -171,11 +184,23 @@ class Progress:
     skipped_steps: int = 0
     last_validated: int = -1
     elapsed_s: float = 0.0
-    checkpoints: list[list[Any]] = field(default_factory=list)  # [step, dev BLEU or None]
+    validation_s: float = 0.0  # the longest validation: what a time budget keeps for the last
+    checkpoints: list[list[Any]] = field(default_factory=list)  # [step, dev score or None]
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Progress:
+        """From a checkpoint's saved counters (older ones named best_score best_bleu)."""
+        state = dict(state)
+        if "best_bleu" in state:
+            state["best_score"] = state.pop("best_bleu")
+        return cls(**state)
 
 
-def learning_rate(step: int, cfg: Config, plateau_scale: float) -> float:
+def learning_rate(step: int, cfg: Config, plateau_scale: float, budget_used: float = 0.0) -> float:
+    """The lr of training step `step`; `budget_used`: the share of train.time_budget spent."""
     t = cfg.train
+    if t.lr_schedule == "budget":
+        return budget_lr(step, t.lr, t.warmup_steps, budget_used)
     if t.lr_schedule == "inverse_sqrt":
         return max(inverse_sqrt_lr(step, t.lr, t.warmup_steps), t.min_lr)
     return max(warmup_lr(step, t.lr, t.warmup_steps) * plateau_scale, t.min_lr)
@@ -308,6 +333,14 @@ class Run:
         """Training seconds, over every resumption of the run."""
         return self.progress.elapsed_s + time.time() - self.start_time
 
+    def budget_used(self) -> float:
+        """The share of train.time_budget spent, counting the longest validation so far as
+        already spent (the last validation must fit); 0 without a budget."""
+        budget = self.cfg.train.time_budget
+        if budget is None:
+            return 0.0
+        return min((self.elapsed() + self.progress.validation_s) / budget, 1.0)
+
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
@@ -318,6 +351,10 @@ def train(
     cfg: Config, out: Path, overwrite: bool = False, resume: bool = False, quiet: bool = False
 ) -> dict[str, Any]:
     """Train a model from cfg into the model directory `out`; returns a summary."""
+    if cfg.train.init_from is not None:
+        if cfg.train.init_from.resolve() == out.resolve():
+            raise ConfigError(f"train.init_from is the model directory --out {out} itself")
+        cfg = inherit(cfg)
     ranks = distributed.ranks_from_env()
     # Rank 0 holds the directory's lock for the whole run: a second trainer is refused.
     lock = prepare_output_dir(out, overwrite, resume) if ranks.is_main else None
@@ -363,6 +400,8 @@ def train_loop(run: Run) -> dict[str, Any]:
                         stop_reason = "early_stopping"
                     elif p.step >= t.max_steps:
                         stop_reason = "max_steps"
+                    elif t.time_budget is not None and budget_spent(run):
+                        stop_reason = "time_budget"
                 if result.signalled:
                     bar.close()
                     interrupt(run, signals.signum or signal.SIGTERM)  # raises
@@ -377,6 +416,13 @@ def train_loop(run: Run) -> dict[str, Any]:
     if ranks.is_main and t.average_last:
         average_at_end(run)
     return finish(run, stop_reason or "max_epochs")
+
+
+def budget_spent(run: Run) -> bool:
+    """Whether train.time_budget is spent, keeping room for one more validation (rank 0's
+    clock decides for every rank)."""
+    used = run.budget_used() if run.ranks.is_main else 0.0
+    return run.ranks.sum([used])[0] >= 1.0
 
 
 # --- setup ---
@@ -430,6 +476,11 @@ def setup(
     )  # fmt: skip
     if checkpoint is not None:
         restore(run, *checkpoint)
+    elif t.init_from is not None:
+        start_from(run, t.init_from)
+    if t.tensorboard and ranks.is_main:
+        # When resuming, what the interrupted run logged after its checkpoint is hidden.
+        log.board = Board(out, purge_step=run.progress.step + 1 if checkpoint else None)
     # DDP averages the gradients over the ranks during backward; it hooks into forward, which
     # is the model's training loss. torch.compile wraps what runs the step.
     if ranks.world > 1:
@@ -467,10 +518,7 @@ def prepare_data(
     if resuming:
         check_resumable(from_dict(read_yaml(out / CONFIG_FILE)), cfg)
     if ranks.is_main:
-        if resuming:
-            tokenizer = Tokenizer.load(out, cfg.tokenizer.joint)
-        else:
-            tokenizer = Tokenizer.train_on_files(data.corpora, cfg.tokenizer, cfg.train.seed)
+        tokenizer = make_tokenizer(cfg, out, resuming)
         write_run_files(out, cfg, tokenizer)  # on resume: the config's resumable changes
         ensure_store(cfg, out, tokenizer, resuming, files)
     ranks.barrier()  # the tokenizer and the store are complete before the others read them
@@ -480,6 +528,19 @@ def prepare_data(
     assert store is not None
     log_data(log, store, dev_text, tokenizer)
     return tokenizer, store, encode_split(dev_text, tokenizer), dev_text
+
+
+def make_tokenizer(cfg: Config, out: Path, resuming: bool) -> Tokenizer:
+    """The run's own (resuming), the fine-tuned model's (train.init_from), the given one
+    (tokenizer.model), or a new one trained on a sample of the training data."""
+    joint = cfg.tokenizer.joint
+    if resuming:
+        return Tokenizer.load(out, joint)
+    if cfg.train.init_from is not None:
+        return Tokenizer.load(cfg.train.init_from, joint)
+    if cfg.tokenizer.given is not None:
+        return Tokenizer.from_files(cfg.tokenizer.given)
+    return Tokenizer.train_on_files(cfg.data.corpora, cfg.tokenizer, cfg.train.seed)
 
 
 def ensure_store(
@@ -549,7 +610,7 @@ def restore(run: Run, weights_path: Path, state_path: Path) -> None:
     load_weights(run.model, weights_path, run.device)
     try:
         run.optimizer.load_state_dict(state["optimizer"])
-        run.progress = Progress(**state["progress"])
+        run.progress = Progress.from_state(state["progress"])
         set_rng_state(state["rng"], run.tf_generator)
         if "scaler" in state:
             run.scaler.load_state_dict(state["scaler"])
@@ -559,6 +620,19 @@ def restore(run: Run, weights_path: Path, state_path: Path) -> None:
         ) from None
     if run.ranks.is_main:
         save_weights(run.model, run.out / LAST_FILE)
+
+
+def start_from(run: Run, source_dir: Path) -> None:
+    """Fine-tuning: load the source model's best weights; log them with their dev loss."""
+    weights = resolve_weights(source_dir, "best")
+    load_weights(run.model, weights, run.device)
+    loss = dev_loss(run.model, run.dev_data, run.cfg.train.eval_batch_tokens, run.device)
+    run.log.event(
+        "init_from",
+        f"fine-tuning from {weights} | step-0 dev loss {loss:.3f}",
+        weights=str(weights),
+        dev_loss=loss,
+    )
 
 
 def log_model(run: Run, resumed: bool) -> None:
@@ -633,9 +707,6 @@ def train_step(run: Run, idx: list[int], signalled: bool) -> StepResult:
         [data.src[i] for i in idx], [data.tgt[i] for i in idx], idx, PAD_ID, BOS_ID, EOS_ID
     ).to(run.device)
     step = p.step + 1
-    lr, tf = step_schedules(step, run.cfg, p.plateau_scale)
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr
     if ranks.world > 1:
         torch.manual_seed(distributed.step_seed(t.seed, ranks.rank, p.step))
         run.tf_generator.manual_seed(distributed.step_seed(t.seed + 1, ranks.rank, p.step))
@@ -643,10 +714,13 @@ def train_step(run: Run, idx: list[int], signalled: bool) -> StepResult:
     positions = batch.src.numel() + batch.tgt_out.numel()
     real = n_tokens + int((~batch.src_pad_mask).sum())
     # Every rank normalises by the tokens of all ranks; DDP's mean of the ranks' gradients is
-    # then the gradient of the loss per token of the whole step.
-    step_tokens, step_positions, step_real = ranks.sum(
-        [float(n_tokens), float(positions), float(real)]
+    # then the gradient of the loss per token of the whole step. The time budget is rank 0's.
+    step_tokens, step_positions, step_real, budget_used = ranks.sum(
+        [float(n_tokens), float(positions), float(real), run.budget_used() * ranks.is_main]
     )
+    lr, tf = step_schedules(step, run.cfg, p.plateau_scale, budget_used)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
     with run.autocast():
         loss_sum, _ = run.step_model(batch, tf, t.label_smoothing, run.tf_generator)
     loss = loss_sum / n_tokens if ranks.world == 1 else loss_sum * (ranks.world / step_tokens)
@@ -669,9 +743,11 @@ def train_step(run: Run, idx: list[int], signalled: bool) -> StepResult:
     )  # fmt: skip
 
 
-def step_schedules(step: int, cfg: Config, plateau_scale: float) -> tuple[float, float]:
+def step_schedules(
+    step: int, cfg: Config, plateau_scale: float, budget_used: float = 0.0
+) -> tuple[float, float]:
     """Learning rate and teacher-forcing ratio of training step `step` (counting from 1)."""
-    return learning_rate(step, cfg, plateau_scale), teacher_forcing_ratio(
+    return learning_rate(step, cfg, plateau_scale, budget_used), teacher_forcing_ratio(
         step, cfg.train.teacher_forcing
     )
 
@@ -783,6 +859,7 @@ def log_train(run: Run, result: StepResult, window: Throughput) -> None:
         seconds=round(window.seconds, 4),
         padding=round(window.padding, 4),
         teacher_forcing=result.teacher_forcing,
+        elapsed_s=round(run.elapsed(), 1),
     )
 
 
@@ -812,19 +889,22 @@ def validate(run: Run) -> bool:
 
 
 def validate_main(run: Run) -> bool:
-    """Dev loss, perplexity and BLEU (train.eval_beam); saves weights and a checkpoint, and
-    updates early stopping and the plateau schedule. Returns True when patience ran out."""
+    """Dev loss, perplexity, BLEU and chrF (train.eval_beam); saves weights and a checkpoint,
+    and updates early stopping (on train.early_stopping's metric) and the plateau schedule.
+    Returns True when patience ran out."""
     p, t, model = run.progress, run.cfg.train, run.model
+    started = time.time()
     loss = dev_loss(model, run.dev_data, t.eval_batch_tokens, run.device)
     hyps = translate_lines(
         model, run.tokenizer, run.dev_text.src, search_options(run.cfg.decode, beam=t.eval_beam),
         batch_tokens=t.eval_batch_tokens, device=run.device,
     )  # fmt: skip
-    bleu = score(hyps, run.dev_text.tgt).bleu
+    scores = score(hyps, run.dev_text.tgt)
+    metric = {"bleu": scores.bleu, "chrf": scores.chrf, "loss": -loss}[t.early_stopping]
     finite = math.isfinite(loss) and all_finite(model)
-    improved = finite and bleu > p.best_bleu
+    improved = finite and metric > p.best_score
     if improved:
-        p.best_bleu, p.bad_validations, p.plateau_bad = bleu, 0, 0
+        p.best_score, p.bad_validations, p.plateau_bad = metric, 0, 0
         save_weights(model, run.out / BEST_FILE)
     else:
         p.bad_validations += 1
@@ -833,21 +913,25 @@ def validate_main(run: Run) -> bool:
             p.plateau_scale *= t.plateau_factor
             p.plateau_bad = 0
     save_weights(model, run.out / LAST_FILE)
-    checkpoint(run, bleu if finite else None)
+    p.validation_s = max(p.validation_s, time.time() - started)
+    checkpoint(run, metric if finite else None)
     ppl = math.exp(min(loss, 50.0))
     # The schedules of the step just trained (the next step may take a new plateau scale).
-    lr, tf = step_schedules(max(p.step, 1), run.cfg, p.plateau_scale)
+    lr, tf = step_schedules(max(p.step, 1), run.cfg, p.plateau_scale, run.budget_used())
+    star = {k: " *" if improved and k == t.early_stopping else "" for k in ("bleu", "chrf", "loss")}
     run.log.event(
         "validation",
-        f"step {p.step} | epoch {p.epoch} | dev loss {loss:.3f} | ppl {ppl:.2f} | "
-        f"BLEU {bleu:.2f}{' *' if improved else ''} | lr {lr:.2e} | tf {tf:.2f} | "
-        f"{run.elapsed():.0f} s",
+        f"step {p.step} | epoch {p.epoch} | dev loss {loss:.3f}{star['loss']} | ppl {ppl:.2f} | "
+        f"BLEU {scores.bleu:.2f}{star['bleu']} | chrF {scores.chrf:.2f}{star['chrf']} | "
+        f"lr {lr:.2e} | tf {tf:.2f} | {run.elapsed():.0f} s",
         step=p.step,
         epoch=p.epoch,
         dev_loss=loss,
         dev_ppl=ppl,
-        dev_bleu=bleu,
-        best_bleu=p.best_bleu,
+        dev_bleu=scores.bleu,
+        dev_chrf=scores.chrf,
+        metric=t.early_stopping,
+        best=p.best_score if t.early_stopping != "loss" else -p.best_score,
         improved=improved,
         lr=lr,
         teacher_forcing=tf,
@@ -886,7 +970,7 @@ def checkpoint(run: Run, bleu: float | None) -> None:
     if run.scaler.is_enabled():
         state["scaler"] = run.scaler.state_dict()
     save_checkpoint(run.out, run.model, state, records, t.keep_last, t.keep_best)
-    p.checkpoints = [[r.step, r.bleu] for r in records]
+    p.checkpoints = [[r.step, r.score] for r in records]
 
 
 def interrupt(run: Run, signum: int) -> None:
@@ -952,7 +1036,8 @@ def finish(run: Run, stop_reason: str) -> dict[str, Any]:
     summary = {
         "steps": p.step,
         "epochs": min(p.epoch, t.max_epochs),
-        "best_dev_bleu": round(p.best_bleu, 2),
+        "early_stopping": t.early_stopping,
+        "best_dev": round(p.best_score if t.early_stopping != "loss" else -p.best_score, 4),
         "stop_reason": stop_reason,
         "skipped_nonfinite_steps": p.skipped_steps,
         "elapsed_s": round(run.elapsed(), 1),
@@ -960,7 +1045,8 @@ def finish(run: Run, stop_reason: str) -> dict[str, Any]:
     run.log.event(
         "done",
         f"done: {p.step} steps, {summary['epochs']} epochs, stopped by {stop_reason}, best dev "
-        f"BLEU {p.best_bleu:.2f}, {run.elapsed() / 60:.1f} min",
+        f"{METRIC_NAMES[t.early_stopping]} {summary['best_dev']:.2f}, "
+        f"{run.elapsed() / 60:.1f} min",
         **summary,
     )
     return summary

@@ -446,7 +446,7 @@ def test_validate_saves_weights_checkpoint_and_logs_the_trained_steps_ratio(run)
     )
     assert "  example 3 | src: " in (run.out / "train.log").read_text()
     run.progress.bad_validations = run.cfg.train.patience - 1
-    run.progress.best_bleu = 1000.0
+    run.progress.best_score = 1000.0
     assert train_mod.validate(run), "patience ran out: stop"
 
 
