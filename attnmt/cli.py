@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -24,8 +24,7 @@ if TYPE_CHECKING:
 
     from attnmt.config import Config
     from attnmt.evaluate import Translation
-    from attnmt.seq2seq import AttentionSpec, Seq2Seq
-    from attnmt.tokenizer import Tokenizer
+    from attnmt.seq2seq import AttentionSpec
 
 app = typer.Typer(
     name="attnmt",
@@ -202,16 +201,15 @@ def translate(
 ) -> None:
     """Translate text, one line in, one line out (beam search, greedy with --beam 1, or
     --sampling: --n-best K draws K per line)."""
+    from attnmt.api import Translator
     from attnmt.data import input_chunks, open_input
     from attnmt.evaluate import SEED_MASK, search_options
-    from attnmt.evaluate import translate as run_translate
-    from attnmt.kernels import matmul_backend
 
     if output is not None:
         check_output_path(output, "--output")
     if input is not None and str(input) != "-":
         open_input(input).close()  # a missing or unreadable file fails before the model loads
-    loaded = _load(model, weights, device, precision, matmul)
+    loaded = Translator.load(model, device, weights, precision, matmul)
     cfg = loaded.cfg
     if sampling and beam is not None:
         raise AttnmtError("--sampling draws instead of searching: drop --beam")
@@ -228,15 +226,13 @@ def translate(
     done = 0  # lines translated so far
     # Chunk by chunk, written as each is done: memory stays bounded, and a line sent alone
     # through a pipe or typed at a terminal is answered at once.
-    with OutputSink(output) as sink, matmul_backend(loaded.matmul):
+    with OutputSink(output) as sink:
         for lines in input_chunks(input):
             if sampling:  # each chunk its own seed: its batches' seeds count from 0 again
                 options = replace(options, seed=hash((seed, done)) & SEED_MASK)
-            results = run_translate(
-                loaded.model, loaded.tokenizer, lines, options,
-                batch_tokens=batch_tokens or cfg.decode.batch_tokens, device=loaded.device,
-                workers=_workers(workers, cfg.decode.workers, loaded.device),
-            )  # fmt: skip
+            results = loaded.search(
+                lines, options, batch_tokens, _workers(workers, cfg.decode.workers, loaded.device)
+            )
             sink.write(_format(results, n_best, done))
             if spec is not None and attention is not None:
                 _write_attention_maps(attention, [r[0] for r in results], cfg, spec, done + 1)
@@ -294,60 +290,6 @@ def _workers(option: int | None, configured: int, device: torch.device) -> int:
     return 1
 
 
-@dataclass
-class _Loaded:
-    """A model ready to translate with, and the CPU matmul backend to run it under."""
-
-    cfg: Config
-    tokenizer: Tokenizer
-    model: Seq2Seq
-    device: torch.device
-    matmul: str
-
-
-def _load(
-    model_dir: Path, weights: str, device: str, precision: str | None, matmul: str | None
-) -> _Loaded:
-    """The model to translate with, in --precision (else decode.precision), its CPU matmuls
-    on --matmul (else decode.matmul)."""
-    from attnmt.checkpoint import BEST_FILE, LAST_FILE, load_model_dir
-    from attnmt.evaluate import for_decoding
-    from attnmt.kernels import (
-        BACKENDS,
-        CPU_MATMUL_INSTRUCTIONS,
-        PRECISION_DTYPES,
-        cpu_matmul_hardware,
-        limit_onednn_kernel_cache,
-    )
-    from attnmt.kernels.matmul import resolve
-    from attnmt.train import resolve_device
-
-    if device not in ("auto", "cpu", "cuda"):
-        raise AttnmtError(f"--device {device!r}: expected auto, cpu or cuda")
-    if precision is not None and precision not in PRECISION_DTYPES:
-        raise AttnmtError(f"--precision {precision!r}: expected fp32, bf16 or fp16")
-    if matmul is not None and matmul not in BACKENDS:
-        raise AttnmtError(f"--matmul {matmul!r}: expected {', '.join(BACKENDS)}")
-    dev = resolve_device(device)
-    cfg, tokenizer, net = load_model_dir(model_dir, weights, dev)
-    if weights == "best" and not (model_dir / BEST_FILE).is_file():
-        print(
-            f"attnmt: note: {model_dir} has no {BEST_FILE} yet; using {LAST_FILE}", file=sys.stderr
-        )
-    precision = precision or cfg.decode.precision
-    backend = resolve(matmul or cfg.decode.matmul)
-    if dev.type == "cpu" and (precision != "fp32" or backend == "onednn"):
-        limit_onednn_kernel_cache()  # oneDNN runs these matmuls; as training does
-    if dev.type == "cpu" and not cpu_matmul_hardware(precision):
-        print(
-            f"attnmt: note: this CPU has no {precision} matmul instructions "
-            f"({CPU_MATMUL_INSTRUCTIONS[precision]}); "
-            f"{precision} decoding is emulated and may be slower than fp32",
-            file=sys.stderr,
-        )
-    return _Loaded(cfg, tokenizer, for_decoding(net, precision), dev, backend)
-
-
 @app.command()
 def average(
     model: Annotated[Path, typer.Argument(help="Trained model directory.")],
@@ -386,6 +328,47 @@ def plot(
     check_output_path(output, "--output")
     plot_runs(models, output)
     typer.echo(f"{output}: curves of {', '.join(str(m) for m in models)}")
+
+
+@app.command()
+def serve(
+    model: Annotated[Path, typer.Option("--model", "-m", help="Trained model directory.")],
+    host: Annotated[str, typer.Option("--host", help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port.")] = 8000,
+    max_lines: Annotated[
+        int, typer.Option("--max-lines", min=1, help="Lines per request (more: 413).")
+    ] = 64,
+    max_chars: Annotated[
+        int, typer.Option("--max-chars", min=1, help="Characters per line (more: 413).")
+    ] = 2000,
+    max_queue: Annotated[
+        int, typer.Option("--max-queue", min=1, help="Requests waiting (more: 503).")
+    ] = 256,
+    batch_wait_ms: Annotated[
+        float,
+        typer.Option("--batch-wait-ms", min=0.0, help="How long a request waits for others."),
+    ] = 5.0,
+    weights: WeightsOption = "best",
+    device: DeviceOption = "auto",
+    precision: PrecisionOption = None,
+    matmul: MatmulOption = None,
+) -> None:
+    """Serve translations over HTTP: POST /translate {"text": [...], "beam": 5}."""
+    try:
+        import uvicorn
+
+        from attnmt.serve import Limits, create_app
+    except ImportError as e:
+        raise AttnmtError(
+            f'attnmt serve needs the serve extra ({e.name} is missing): pip install "attnmt[serve]"'
+        ) from None
+    from attnmt.api import Translator
+
+    translator = Translator.load(model, device, weights, precision, matmul)
+    limits = Limits(max_lines, max_chars, max_queue, batch_wait_ms)
+    app_ = create_app(translator, limits, str(model))
+    typer.echo(f"attnmt: serving {model} on http://{host}:{port} (docs: /docs)", err=True)
+    uvicorn.run(app_, host=host, port=port, log_level="warning")
 
 
 @app.command("eval")
@@ -437,17 +420,11 @@ def evaluate(
             raise DataError(
                 f"line counts differ: {src} has {len(sources)} lines, {ref} has {len(refs)}"
             )
-        from attnmt.evaluate import search_options, translate_lines
-        from attnmt.kernels import matmul_backend
+        from attnmt.api import Translator
 
-        loaded = _load(model, weights, device, precision, matmul)
-        decode = loaded.cfg.decode
-        with matmul_backend(loaded.matmul):
-            hyps = translate_lines(
-                loaded.model, loaded.tokenizer, sources, search_options(decode, beam=beam),
-                batch_tokens=decode.batch_tokens, device=loaded.device,
-                workers=_workers(workers, decode.workers, loaded.device),
-            )  # fmt: skip
+        loaded = Translator.load(model, device, weights, precision, matmul)
+        workers = _workers(workers, loaded.cfg.decode.workers, loaded.device)
+        hyps = loaded.translate(sources, beam=beam, workers=workers)
         name = str(src)
         if output is not None:
             atomic_write_bytes(output, "".join(h + "\n" for h in hyps).encode("utf-8"))

@@ -25,11 +25,16 @@ def warmup_lr(step: int, peak_lr: float, warmup_steps: int) -> float:
     return peak_lr * max(step, 1) / warmup_steps
 
 
-def budget_lr(step: int, peak_lr: float, warmup_steps: int, used: float) -> float:
-    """Linear warmup over warmup_steps, then linear decay to zero when the time budget is spent:
-    peak_lr * min(step / warmup_steps, 1 - used), `used` the share of train.time_budget spent
-    (the budget-aware linear schedule of Li et al., "Budgeted Training", ICLR 2020)."""
-    return min(warmup_lr(step, peak_lr, warmup_steps), peak_lr * max(1.0 - used, 0.0))
+def budget_lr(
+    step: int, peak_lr: float, warmup_steps: int, used: float, warmup_used: float
+) -> float:
+    """Linear warmup over warmup_steps, then linear decay in time from peak_lr to zero when the
+    time budget is spent: peak_lr * (1 - used) / (1 - warmup_used), `used` the share of
+    train.time_budget spent, `warmup_used` the share spent when warmup ended (the budget-aware
+    linear schedule of Li et al., "Budgeted Training", ICLR 2020, after a warmup)."""
+    if step < warmup_steps:
+        return peak_lr * max(step, 1) / warmup_steps
+    return peak_lr * max(1.0 - used, 0.0) / max(1.0 - warmup_used, 1e-9)
 
 
 def _inverse_sigmoid_shape(p: float) -> float:

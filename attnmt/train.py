@@ -185,6 +185,7 @@ class Progress:
     last_validated: int = -1
     elapsed_s: float = 0.0
     validation_s: float = 0.0  # the longest validation: what a time budget keeps for the last
+    warmup_used: float = 0.0  # lr_schedule budget: the share of the budget spent by warmup's end
     checkpoints: list[list[Any]] = field(default_factory=list)  # [step, dev score or None]
 
     @classmethod
@@ -196,11 +197,14 @@ class Progress:
         return cls(**state)
 
 
-def learning_rate(step: int, cfg: Config, plateau_scale: float, budget_used: float = 0.0) -> float:
-    """The lr of training step `step`; `budget_used`: the share of train.time_budget spent."""
+def learning_rate(
+    step: int, cfg: Config, plateau_scale: float, budget: tuple[float, float] = (0.0, 0.0)
+) -> float:
+    """The lr of training step `step`; `budget`: the shares of train.time_budget spent, now
+    and when warmup ended (lr_schedule budget)."""
     t = cfg.train
     if t.lr_schedule == "budget":
-        return budget_lr(step, t.lr, t.warmup_steps, budget_used)
+        return budget_lr(step, t.lr, t.warmup_steps, *budget)
     if t.lr_schedule == "inverse_sqrt":
         return max(inverse_sqrt_lr(step, t.lr, t.warmup_steps), t.min_lr)
     return max(warmup_lr(step, t.lr, t.warmup_steps) * plateau_scale, t.min_lr)
@@ -718,7 +722,9 @@ def train_step(run: Run, idx: list[int], signalled: bool) -> StepResult:
     step_tokens, step_positions, step_real, budget_used = ranks.sum(
         [float(n_tokens), float(positions), float(real), run.budget_used() * ranks.is_main]
     )
-    lr, tf = step_schedules(step, run.cfg, p.plateau_scale, budget_used)
+    if step <= t.warmup_steps:
+        p.warmup_used = budget_used
+    lr, tf = step_schedules(step, run.cfg, p.plateau_scale, (budget_used, p.warmup_used))
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     with run.autocast():
@@ -744,10 +750,10 @@ def train_step(run: Run, idx: list[int], signalled: bool) -> StepResult:
 
 
 def step_schedules(
-    step: int, cfg: Config, plateau_scale: float, budget_used: float = 0.0
+    step: int, cfg: Config, plateau_scale: float, budget: tuple[float, float] = (0.0, 0.0)
 ) -> tuple[float, float]:
     """Learning rate and teacher-forcing ratio of training step `step` (counting from 1)."""
-    return learning_rate(step, cfg, plateau_scale, budget_used), teacher_forcing_ratio(
+    return learning_rate(step, cfg, plateau_scale, budget), teacher_forcing_ratio(
         step, cfg.train.teacher_forcing
     )
 
@@ -917,7 +923,8 @@ def validate_main(run: Run) -> bool:
     checkpoint(run, metric if finite else None)
     ppl = math.exp(min(loss, 50.0))
     # The schedules of the step just trained (the next step may take a new plateau scale).
-    lr, tf = step_schedules(max(p.step, 1), run.cfg, p.plateau_scale, run.budget_used())
+    budget = (run.budget_used(), p.warmup_used)
+    lr, tf = step_schedules(max(p.step, 1), run.cfg, p.plateau_scale, budget)
     star = {k: " *" if improved and k == t.early_stopping else "" for k in ("bleu", "chrf", "loss")}
     run.log.event(
         "validation",

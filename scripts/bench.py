@@ -5,6 +5,8 @@
                                   [--threads 2] [--procs 1] [--dev-sentences 500]
                                   [--set KEY=VALUE ...]
     python scripts/bench.py data [--pairs 1000000] [--steps 20] [--tatoeba TSV] [--work DIR]
+    python scripts/bench.py serve --model DIR [--data DIR] [--clients 1,8,32] [--sizes 1,16]
+                                  [--beam 5] [--threads 2]
     python scripts/bench.py decode --model DIR [--model DIR ...] [--data DIR] [--runs N]
                                    [--beams 1,5] [--batch-sentences 64] [--max-len 60]
                                    [--threads 2] [--workers 1[,2]] [--precision fp32]
@@ -19,6 +21,9 @@ length, and BLEU/chrF with sacreBLEU signatures. --workers 2 searches two batche
 in its own forked process on one of the 2 threads (`attnmt translate --workers`); --precision
 bf16 or fp16 decodes with the weights in that format (`attnmt translate --precision`).
 --matmul auto|blas|onednn picks the CPU fp32 matmul library (`attnmt translate --matmul`).
+
+serve: see scripts/bench_serve.py (`attnmt serve` under 1, 8, 32 concurrent loopback clients
+sending 1 or 16 sentences a request: sentences/s, p50/p99 latency, against the batch path).
 
 data: see scripts/bench_data.py (a synthetic corpus of --pairs pairs from Tatoeba: time and
 memory from the text to the first steps, and a resume's start-up).
@@ -325,8 +330,20 @@ def main() -> int:
         help="English<TAB>French pairs to build the corpus from",
     )  # fmt: skip
     g.add_argument("--work", type=Path, default=Path("runs/bench-data"), help="where to build")
+    v = sub.add_parser("serve", help="attnmt serve under concurrent clients")
+    v.add_argument("--model", type=Path, required=True, help="model directory")
+    v.add_argument("--data", type=Path, default=Path("data/multi30k"), help="Multi30k folder")
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    v.add_argument("--clients", type=ints, default=[1, 8, 32], help="e.g. 1,8,32")
+    v.add_argument("--sizes", type=ints, default=[1, 16], help="sentences per request")
+    v.add_argument("--beam", type=int, default=5)
+    v.add_argument("--threads", type=int, default=2, help="threads of the server (and CLI)")
     args = ap.parse_args()
-    if args.what == "data":
+    if args.what == "serve":
+        from bench_serve import bench_serve
+
+        bench_serve(args)
+    elif args.what == "data":
         from bench_data import bench_data
 
         bench_data(args)

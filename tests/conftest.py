@@ -73,6 +73,25 @@ def tiny_config(corpus: dict[str, Path], arch: str = "transformer") -> dict[str,
     }
 
 
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
+    """A tiny trained transformer's model directory (6 steps) and the corpus files it was
+    trained on; shared by the tests that only read it."""
+    from attnmt.config import from_dict
+    from attnmt.train import train
+
+    base = tmp_path_factory.mktemp("trained")
+    corpus = {}
+    for split, n, seed in (("train", 300, 1), ("dev", 20, 2)):
+        src, tgt = make_pairs(n, seed)
+        corpus[f"{split}_src"] = write_lines(base / f"{split}.src", src)
+        corpus[f"{split}_tgt"] = write_lines(base / f"{split}.tgt", tgt)
+    raw = tiny_config(corpus)
+    raw["train"].update(max_steps=6, eval_every=3)
+    train(from_dict(raw), base / "m", quiet=True)
+    return base / "m", corpus
+
+
 def write_config(path: Path, cfg: dict[str, Any]) -> Path:
     path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
     return path

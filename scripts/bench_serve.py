@@ -1,0 +1,128 @@
+"""`scripts/bench.py serve`: `attnmt serve` under concurrent clients on loopback, against the
+same sentences translated as one batch job (what `attnmt translate` does with a file).
+
+Starts `attnmt serve` on a free loopback port (its own process, --threads 2 by default), then,
+for each number of clients and request size, lets that many client threads send Multi30k
+test_2016_flickr sentences (from --data) in requests of that many sentences until all are
+translated. Prints one JSON line per (clients, size): sentences/s, p50/p99 request latency
+(ms), the server's batches, and cli_sentences_per_s (the same sentences through
+Translator.translate in this process, model loading excluded), and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import queue
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: Path, port: int, beam: int, threads: int) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "attnmt", "serve", "-m", str(model), "--port", str(port),
+         "--device", "cpu", "--max-queue", "4096"],
+        env=env,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            time.sleep(0.1)
+    proc.kill()
+    raise SystemExit("bench serve: the server did not start")
+
+
+def load(url: str, sentences: list[str], clients: int, size: int, beam: int) -> dict:
+    """Send all sentences in requests of `size` from `clients` threads; time it."""
+    todo: queue.Queue[list[str]] = queue.Queue()
+    for i in range(0, len(sentences), size):
+        todo.put(sentences[i : i + size])
+    latencies: list[float] = []
+    lock = threading.Lock()
+
+    def client() -> None:
+        with httpx.Client(timeout=600) as http:
+            while True:
+                try:
+                    chunk = todo.get_nowait()
+                except queue.Empty:
+                    return
+                start = time.perf_counter()
+                r = http.post(f"{url}/translate", json={"text": chunk, "beam": beam})
+                r.raise_for_status()
+                with lock:
+                    latencies.append(time.perf_counter() - start)
+
+    before = httpx.get(f"{url}/health").json()["batches"]
+    start = time.perf_counter()
+    workers = [threading.Thread(target=client) for _ in range(clients)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    seconds = time.perf_counter() - start
+    latencies.sort()
+    return {
+        "clients": clients,
+        "sentences_per_request": size,
+        "sentences_per_s": round(len(sentences) / seconds, 1),
+        "p50_ms": round(1000 * statistics.median(latencies), 1),
+        "p99_ms": round(1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 1),
+        "server_batches": httpx.get(f"{url}/health").json()["batches"] - before,
+    }
+
+
+def cli_rate(model: Path, sentences: list[str], beam: int, threads: int) -> float:
+    """Sentences/s of the batch path (Translator.translate over all sentences), load excluded."""
+    import torch
+
+    from attnmt import Translator
+
+    torch.set_num_threads(threads)
+    translator = Translator.load(model, device="cpu")
+    translator.translate(sentences[:64], beam=beam)  # warm up
+    start = time.perf_counter()
+    translator.translate(sentences, beam=beam)
+    return len(sentences) / (time.perf_counter() - start)
+
+
+def bench_serve(args: argparse.Namespace) -> None:
+    with gzip.open(args.data / "test_2016_flickr.de.gz", "rt", encoding="utf-8") as f:
+        sentences = [line.strip() for line in f]
+    cli = cli_rate(args.model, sentences, args.beam, args.threads)
+    port = free_port()
+    proc = start_server(args.model, port, args.beam, args.threads)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        load(url, sentences[:64], 4, 1, args.beam)  # warm up
+        for clients in args.clients:
+            for size in args.sizes:
+                row = load(url, sentences, clients, size, args.beam)
+                row |= {
+                    "beam": args.beam,
+                    "cli_sentences_per_s": round(cli, 1),
+                    "ratio": round(row["sentences_per_s"] / cli, 2),
+                }
+                print(json.dumps(row), flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

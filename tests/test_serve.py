@@ -1,0 +1,152 @@
+"""The Python API and `attnmt serve`: the CLI's lines, over a real HTTP client on loopback."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from attnmt import Translator
+from attnmt.errors import AttnmtError
+from attnmt.serve import Limits, create_app
+
+from conftest import make_pairs
+
+LINES = make_pairs(40, 7)[0]
+
+
+def cli_lines(run_cli, model: Path, lines: list[str], *args: str) -> list[str]:
+    r = run_cli(
+        "translate", "-m", str(model), *args, stdin="".join(f"{x}\n" for x in lines).encode()
+    )
+    assert r.code == 0, r
+    return r.stdout.splitlines()
+
+
+def test_translator_gives_the_cli_lines(trained, run_cli):
+    model, corpus = trained
+    translator = Translator.load(model, device="cpu")
+    for beam in (1, 3):
+        assert translator.translate(LINES, beam=beam) == cli_lines(
+            run_cli, model, LINES, "--beam", str(beam)
+        )
+    nbest = translator.hypotheses(LINES[:3], beam=3, n_best=2)
+    assert [len(h) for h in nbest] == [2, 2, 2] and nbest[0][0].score >= nbest[0][1].score
+    refs = corpus["dev_tgt"].read_text().splitlines()
+    scores = Translator.score(refs, refs)
+    assert scores.bleu == pytest.approx(100.0) and scores.bleu_signature.startswith("nrefs:1")
+    with pytest.raises(AttnmtError, match="2 hypotheses but 1 references"):
+        Translator.score(["a", "b"], ["a"])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float = 60.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"server exited: {proc.stderr.read() if proc.stderr else ''}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.2)
+    raise AssertionError("server did not come up")
+
+
+def test_serve_answers_the_cli_lines_to_20_concurrent_clients(trained, run_cli):
+    model, _ = trained
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "attnmt", "serve", "-m", str(model), "--port", str(port),
+         "--device", "cpu"],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        expected = cli_lines(run_cli, model, LINES, "--beam", "2")
+
+        def client(i: int) -> list[str]:
+            mine = LINES[2 * i : 2 * i + 2]
+            r = httpx.post(f"{url}/translate", json={"text": mine, "beam": 2}, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()["translations"]
+
+        with ThreadPoolExecutor(20) as pool:
+            answers = list(pool.map(client, range(20)))
+        assert [line for a in answers for line in a] == expected
+        assert httpx.get(f"{url}/docs").status_code == 200
+        health = httpx.get(f"{url}/health").json()
+        assert health["status"] == "ok" and 1 <= health["batches"] <= 20
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture
+def server(trained):
+    """create_app on a uvicorn server in a thread (loopback), with small limits; yields the
+    URL and the Translator (whose translate a test may make block)."""
+    translator = Translator.load(trained[0], device="cpu")
+    app = create_app(translator, Limits(max_lines=4, max_chars=50, max_queue=1))
+    config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{config.port}"
+    wait_healthy(url)
+    yield url, translator
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_limits_and_bad_requests_get_json_errors(server):
+    url, _ = server
+    post = lambda body, **kw: httpx.post(f"{url}/translate", timeout=30, **({"json": body} | kw))  # noqa: E731
+    assert post({"text": ["w1"] * 5}).status_code == 413
+    r = post({"text": ["w1 " * 20]})
+    assert r.status_code == 413 and "at most 50" in r.json()["error"]
+    assert post({"text": ["w1"], "beam": 0}).status_code == 422
+    assert post({"text": "w1"}).status_code == 422
+    assert (
+        post(None, content=b"{not json", headers={"content-type": "application/json"}).status_code
+        == 422
+    )
+    assert post({"text": []}).json() == {"translations": []}
+    assert post({"text": ["w1 w2"]}).status_code == 200
+
+
+def test_a_full_queue_is_503_and_the_server_keeps_serving(server, monkeypatch):
+    url, translator = server
+    release = threading.Event()
+    real = translator.translate
+
+    def slow(lines, beam=None, **kw):
+        release.wait(30)
+        return real(lines, beam=beam, **kw)
+
+    monkeypatch.setattr(translator, "translate", slow)
+    with ThreadPoolExecutor(4) as pool:
+        first = pool.submit(httpx.post, f"{url}/translate", json={"text": ["w1"]}, timeout=60)
+        time.sleep(0.5)  # taken by the search thread, which now blocks
+        second = pool.submit(
+            httpx.post, f"{url}/translate", json={"text": ["w2"], "beam": 2}, timeout=60
+        )
+        time.sleep(0.5)  # waits in the queue (max_queue 1)
+        third = httpx.post(f"{url}/translate", json={"text": ["w3"]}, timeout=60)
+        assert third.status_code == 503 and "waiting" in third.json()["error"]
+        release.set()
+        assert first.result().status_code == 200 and second.result().status_code == 200

@@ -1,0 +1,234 @@
+"""After the first model: fine-tuning, a given tokenizer, early-stopping metrics, a time budget,
+TensorBoard, curves, sampling."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import sentencepiece as spm
+
+import attnmt.train as train_mod
+from attnmt.checkpoint import load_model_dir
+from attnmt.config import from_dict, parse_duration
+from attnmt.data import read_split_text
+from attnmt.errors import ConfigError
+from attnmt.schedules import budget_lr
+from attnmt.tokenizer import Tokenizer
+from attnmt.train import train
+
+from conftest import make_pairs, tiny_config, write_config, write_lines
+
+
+def events(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def source(trained):
+    return trained
+
+
+def test_fine_tuning_starts_from_the_source_weights_and_tokenizer(tmp_path: Path, source):
+    source_dir, corpus = source
+    raw = tiny_config(corpus)
+    raw["data"]["train"] = raw["data"]["dev"]  # new data: the dev pairs
+    raw["model"] = {"dropout": 0.2}  # the architecture comes from the source
+    raw["tokenizer"] = {}
+    raw["train"].update(max_steps=2, init_from=str(source_dir))
+    out = tmp_path / "ft"
+    train(from_dict(raw), out, quiet=True)
+    init = next(e for e in events(out) if e["event"] == "init_from")
+    _, tokenizer, model = load_model_dir(source_dir)
+    dev = train_mod.encode_split(read_split_text(from_dict(raw).data.dev), tokenizer)
+    assert init["dev_loss"] == pytest.approx(train_mod.dev_loss(model, dev, 8000, "cpu"), abs=1e-6)
+    assert (out / "spm.model").read_bytes() == (source_dir / "spm.model").read_bytes()
+    cfg, _, _ = load_model_dir(out)
+    assert cfg.model.hidden_size == 16 and cfg.model.dropout == 0.2
+    assert next(e for e in events(out) if e["event"] == "done")["steps"] == 2
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "theirs"),
+    [("model", "hidden_size", 32, 16), ("model", "arch", "rnn", "'transformer'"),
+     ("tokenizer", "vocab_size", 50, 40)],
+)  # fmt: skip
+def test_fine_tuning_refuses_another_architecture_or_tokenizer(
+    tmp_path: Path, source, section, key, value, theirs
+):
+    source_dir, corpus = source
+    raw = tiny_config(corpus)
+    raw[section][key] = value
+    raw["train"]["init_from"] = str(source_dir)
+    with pytest.raises(ConfigError, match=rf"{section}\.{key} is .*{value}.* has {theirs}"):
+        train(from_dict(raw), tmp_path / "ft", quiet=True)
+    assert not (tmp_path / "ft").exists()  # refused before the directory is made
+
+
+def test_init_from_on_the_command_line(tmp_path: Path, source, run_cli):
+    source_dir, corpus = source
+    raw = tiny_config(corpus)
+    raw["train"]["max_steps"] = 1
+    cfg = write_config(tmp_path / "c.yaml", raw)
+    r = run_cli("train", "-c", str(cfg), "-o", str(tmp_path / "ft"), "-q", "--init-from", "nope")
+    assert r.code == 2 and "model directory not found: " in r.stderr, r
+    r = run_cli(
+        "train", "-c", str(cfg), "-o", str(tmp_path / "ft"), "-q", "--init-from", str(source_dir)
+    )
+    assert r.code == 0, r
+    assert any(e["event"] == "init_from" for e in events(tmp_path / "ft"))
+
+
+def foreign_spm(path: Path, lines: list[str]) -> Path:
+    """A SentencePiece model with spm_train's default ids (unk 0, bos 1, eos 2, no pad)."""
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=buf, vocab_size=40, hard_vocab_limit=False,
+        minloglevel=2,
+    )  # fmt: skip
+    path.write_bytes(buf.getvalue())
+    return path
+
+
+def test_a_given_sentencepiece_model_is_used_and_copied(tmp_path: Path, corpus):
+    src, tgt = make_pairs(300, 1)
+    given = foreign_spm(tmp_path / "given.model", src + tgt)
+    raw = tiny_config(corpus)
+    raw["tokenizer"] = {"model": str(given)}
+    raw["train"]["max_steps"] = 2
+    out = tmp_path / "m"
+    train(from_dict(raw), out, quiet=True)
+    theirs = spm.SentencePieceProcessor(model_file=str(given))
+    ours = Tokenizer.load(out, joint=True).src.sp
+    assert (ours.pad_id(), ours.unk_id(), ours.bos_id(), ours.eos_id()) == (0, 1, 2, 3)
+    assert ours.get_piece_size() == theirs.get_piece_size() + 1  # a pad piece added
+    for line in src[:20]:
+        assert ours.encode(line, out_type=str) == theirs.encode(line, out_type=str)
+    _, tokenizer, model = load_model_dir(out)
+    assert model.output.weight.shape[0] == len(tokenizer.tgt)
+
+
+def test_an_unusable_sentencepiece_model_is_one_line(tmp_path: Path, corpus):
+    raw = tiny_config(corpus)
+    raw["tokenizer"] = {"model": str(write_lines(tmp_path / "x.model", ["not a model"]))}
+    with pytest.raises(ConfigError, match=r"x\.model: not a SentencePiece model"):
+        train(from_dict(raw), tmp_path / "m", quiet=True)
+    raw["tokenizer"] = {"model": "a.model", "vocab_size": 100}
+    with pytest.raises(ConfigError, match=r"tokenizer\.vocab_size is for training"):
+        from_dict(raw)
+    raw["tokenizer"] = {"model": "a.model", "joint": False}
+    with pytest.raises(ConfigError, match=r"takes tokenizer\.src_model and tokenizer\.tgt_model"):
+        from_dict(raw)
+
+
+@pytest.mark.parametrize("metric", ["loss", "chrf"])
+def test_early_stopping_metric_picks_the_best_checkpoint(tmp_path: Path, corpus, metric):
+    raw = tiny_config(corpus)
+    raw["train"].update(max_steps=8, eval_every=2, early_stopping=metric, keep_best=1, keep_last=1)
+    out = tmp_path / "m"
+    train(from_dict(raw), out, quiet=True)
+    vals = [e for e in events(out) if e["event"] == "validation"]
+    key = "dev_loss" if metric == "loss" else "dev_chrf"
+    pick = min if metric == "loss" else max
+    best = pick(vals, key=lambda e: e[key])
+    assert vals[-1]["best"] == pytest.approx(best[key]) and all(e["metric"] == metric for e in vals)
+    improved = [e["step"] for e in vals if e["improved"]]
+    assert improved[-1] == next(e["step"] for e in vals if e[key] == best[key])
+    kept = sorted(p.name for p in (out / "checkpoints").glob("*.safetensors"))
+    assert f"step-{improved[-1]:08d}.safetensors" in kept  # keep_best ranks by the metric
+
+
+def test_durations_and_the_budget_schedule():
+    assert [parse_duration(t) for t in ("90", "90s", "30m", "2h", "1h30m", "1.5h")] == [
+        90, 90, 1800, 7200, 5400, 5400,
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="not a duration"):
+        parse_duration("30 minutes")
+    assert budget_lr(50, 1.0, 100, 0.1, 0.0) == 0.5  # warming up
+    assert budget_lr(100, 1.0, 100, 0.2, 0.2) == 1.0  # the peak when warmup ends
+    assert budget_lr(500, 1.0, 100, 0.6, 0.2) == 0.5  # then decaying with the time spent
+    assert budget_lr(500, 1.0, 100, 1.0, 0.2) == 0.0
+
+
+def test_a_budget_run_stops_inside_its_budget_with_lr_near_zero(tmp_path: Path, corpus):
+    raw = tiny_config(corpus)
+    raw["train"].update(
+        max_steps=10**6, max_epochs=10**4, time_budget="6s", lr_schedule="budget",
+        warmup_steps=2, eval_every=10**6, log_every=1,
+    )  # fmt: skip
+    out = tmp_path / "m"
+    summary = train(from_dict(raw), out, quiet=True)
+    assert summary["stop_reason"] == "time_budget" and summary["elapsed_s"] <= 6.5, summary
+    lrs = [e["lr"] for e in events(out) if e["event"] == "train"]
+    assert len(lrs) > 20 and lrs[-1] < 0.1 * 0.003 and lrs[2:] == sorted(lrs[2:], reverse=True)
+    assert [e["step"] for e in events(out) if e["event"] == "validation"] == [len(lrs)]
+    with pytest.raises(ConfigError, match=r"decays to train\.time_budget"):
+        from_dict({**raw, "train": {"lr_schedule": "budget"}})
+
+
+def test_tensorboard_holds_the_logged_scalars_and_examples(tmp_path: Path, corpus):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    raw = tiny_config(corpus)
+    raw["train"].update(max_steps=4, eval_every=2, log_every=1)
+    out = tmp_path / "m"
+    train(from_dict(raw), out, quiet=True)
+    board = EventAccumulator(str(out / "tensorboard"), size_guidance={"tensors": 0})
+    board.Reload()
+    tags = board.Tags()
+    for tag in ("train/loss", "train/lr", "train/tokens_per_s", "train/teacher_forcing",
+                "dev/loss", "dev/ppl", "dev/bleu", "dev/chrf"):  # fmt: skip
+        assert tag in tags["scalars"], tag
+    log = events(out)
+    loss = {e["step"]: e["loss"] for e in log if e["event"] == "train"}
+    got = {s.step: s.value for s in board.Scalars("train/loss")}
+    assert got == pytest.approx(loss)
+    assert [s.step for s in board.Scalars("dev/bleu")] == [2, 4]
+    assert "dev/examples/text_summary" in tags["tensors"]
+
+
+def test_plot_writes_a_png_of_several_runs(tmp_path: Path, source, run_cli):
+    import matplotlib.image
+
+    source_dir, _ = source
+    png = tmp_path / "curves.png"
+    r = run_cli("plot", str(source_dir), str(source_dir), "--output", str(png))
+    assert r.code == 0, r
+    image = matplotlib.image.imread(png)
+    assert image.shape[0] > 500 and image.shape[1] > 500 and image.std() > 0.05
+    r = run_cli("plot", str(tmp_path), "--output", str(png))
+    assert r.code == 2 and "train_log.jsonl: cannot read" in r.stderr, r
+
+
+def test_sampling_is_reproducible_and_top_1_is_greedy(source, run_cli):
+    source_dir, _ = source
+    lines = "".join(f"{s}\n" for s in make_pairs(12, 5)[0]).encode()
+    model = ["translate", "-m", str(source_dir)]
+
+    def out(*args: str) -> str:
+        r = run_cli(*model, *args, stdin=lines)
+        assert r.code == 0, r
+        return r.stdout
+
+    drawn = out("--sampling", "--seed", "3", "--n-best", "3", "--temperature", "2")
+    assert drawn == out("--sampling", "--seed", "3", "--n-best", "3", "--temperature", "2")
+    assert drawn != out("--sampling", "--seed", "4", "--n-best", "3", "--temperature", "2")
+    assert len(drawn.splitlines()) == 36
+    greedy = out("--beam", "1")
+    assert out("--sampling", "--top-k", "1") == greedy
+    assert out("--sampling", "--temperature", "3") != greedy
+    r = run_cli(*model, "--sampling", "--beam", "2", stdin=lines)
+    assert r.code == 2 and "drop --beam" in r.stderr
+
+
+def test_resumed_budget_keeps_the_time_spent(tmp_path: Path, corpus):
+    raw = tiny_config(corpus)
+    raw["train"].update(max_steps=4, eval_every=2)
+    out = tmp_path / "m"
+    train(from_dict(raw), out, quiet=True)
+    first = next(e for e in events(out) if e["event"] == "done")["elapsed_s"]
+    raw["train"]["max_steps"] = 6
+    summary = train(from_dict(raw), out, resume=True, quiet=True)
+    assert summary["elapsed_s"] >= first  # the 4 steps' time (and setup's) still counts
