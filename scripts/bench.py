@@ -6,7 +6,7 @@
                                   [--set KEY=VALUE ...]
     python scripts/bench.py data [--pairs 1000000] [--steps 20] [--tatoeba TSV] [--work DIR]
     python scripts/bench.py serve --model DIR [--data DIR] [--clients 1,8,32] [--sizes 1,16]
-                                  [--beam 5] [--threads 2]
+                                  [--beam 5] [--threads 2] [--batch-wait-ms 5]
     python scripts/bench.py decode --model DIR [--model DIR ...] [--data DIR] [--runs N]
                                    [--beams 1,5] [--batch-sentences 64] [--max-len 60]
                                    [--threads 2] [--workers 1[,2]] [--precision fp32]
@@ -338,6 +338,7 @@ def main() -> int:
     v.add_argument("--sizes", type=ints, default=[1, 16], help="sentences per request")
     v.add_argument("--beam", type=int, default=5)
     v.add_argument("--threads", type=int, default=2, help="threads of the server (and CLI)")
+    v.add_argument("--batch-wait-ms", type=float, default=5.0, help="attnmt serve --batch-wait-ms")
     args = ap.parse_args()
     if args.what == "serve":
         from bench_serve import bench_serve

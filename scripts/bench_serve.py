@@ -33,11 +33,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: Path, port: int, beam: int, threads: int) -> subprocess.Popen:
+def start_server(model: Path, port: int, wait_ms: float, threads: int) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "attnmt", "serve", "-m", str(model), "--port", str(port),
-         "--device", "cpu", "--max-queue", "4096"],
+         "--device", "cpu", "--max-queue", "4096", "--batch-wait-ms", str(wait_ms)],
         env=env,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -110,7 +110,7 @@ def bench_serve(args: argparse.Namespace) -> None:
         sentences = [line.strip() for line in f]
     cli = cli_rate(args.model, sentences, args.beam, args.threads)
     port = free_port()
-    proc = start_server(args.model, port, args.beam, args.threads)
+    proc = start_server(args.model, port, args.batch_wait_ms, args.threads)
     try:
         url = f"http://127.0.0.1:{port}"
         load(url, sentences[:64], 4, 1, args.beam)  # warm up
@@ -119,6 +119,7 @@ def bench_serve(args: argparse.Namespace) -> None:
                 row = load(url, sentences, clients, size, args.beam)
                 row |= {
                     "beam": args.beam,
+                    "batch_wait_ms": args.batch_wait_ms,
                     "cli_sentences_per_s": round(cli, 1),
                     "ratio": round(row["sentences_per_s"] / cli, 2),
                 }
