@@ -26,24 +26,10 @@ from attnmt.train import train
 from conftest import make_pairs, tiny_config, write_config, write_lines
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny trained transformer's model directory (copy it before changing anything)."""
-    root = tmp_path_factory.mktemp("trained")
-    corpus = {}
-    for split, n, seed in (("train", 300, 1), ("dev", 20, 2)):
-        src, tgt = make_pairs(n, seed)
-        corpus[f"{split}_src"] = write_lines(root / f"{split}.src", src)
-        corpus[f"{split}_tgt"] = write_lines(root / f"{split}.tgt", tgt)
-    from attnmt.config import from_dict
-
-    train(from_dict(tiny_config(corpus)), root / "model", quiet=True)
-    return root / "model"
-
-
 @pytest.fixture
-def model(trained: Path, tmp_path: Path) -> Path:
-    return Path(shutil.copytree(trained, tmp_path / "model"))
+def model(trained: tuple[Path, dict[str, Path]], tmp_path: Path) -> Path:
+    """A copy of conftest's tiny trained model directory, free to change."""
+    return Path(shutil.copytree(trained[0], tmp_path / "model"))
 
 
 def attnmt(*args: str, **kwargs) -> subprocess.CompletedProcess:
@@ -125,12 +111,12 @@ def test_output_that_cannot_be_written_leaves_no_file(model: Path, tmp_path: Pat
 
 @pytest.mark.parametrize("command", ["translate", "eval"])
 def test_output_path_is_checked_before_any_work(model, tmp_path, run_cli, monkeypatch, command):
-    import attnmt.checkpoint
+    from attnmt.api import Translator
 
     def never(*args, **kwargs):
         raise AssertionError("the model was loaded before --output was checked")
 
-    monkeypatch.setattr(attnmt.checkpoint, "load_model_dir", never)
+    monkeypatch.setattr(Translator, "load", never)
     src = write_lines(tmp_path / "in.txt", ["w1"])
     args = ["-m", str(model), "-i" if command == "translate" else "-s", str(src)]
     if command == "eval":
