@@ -209,10 +209,10 @@ def translate(
         check_output_path(output, "--output")
     if input is not None and str(input) != "-":
         open_input(input).close()  # a missing or unreadable file fails before the model loads
-    loaded = Translator.load(model, device, weights, precision, matmul)
-    cfg = loaded.cfg
     if sampling and beam is not None:
         raise AttnmtError("--sampling draws instead of searching: drop --beam")
+    loaded = Translator.load(model, device, weights, precision, matmul)
+    cfg = loaded.cfg
     beam = cfg.decode.beam if beam is None else beam
     if n_best > beam and not sampling:
         raise AttnmtError(f"--n-best {n_best} exceeds the beam size {beam}; raise --beam")
