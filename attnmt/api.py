@@ -38,7 +38,7 @@ from attnmt.kernels import (
 )
 from attnmt.kernels.matmul import resolve
 from attnmt.search import SearchOptions
-from attnmt.seq2seq import Seq2Seq
+from attnmt.seq2seq import AttentionSpec, Seq2Seq
 from attnmt.tokenizer import Tokenizer
 from attnmt.train import resolve_device
 
@@ -113,14 +113,26 @@ class Translator:
     ) -> list[list[Translation]]:
         """The n_best translations of each line with their scores (Translation.text, .score);
         `sampling` = (temperature, top_k, seed) draws n_best instead of searching."""
+        options = self.options(beam, n_best, length_penalty, sampling=sampling)
+        return self.search(lines, options, batch_tokens, workers)
+
+    def options(
+        self,
+        beam: int | None = None,
+        n_best: int = 1,
+        length_penalty: float | None = None,
+        attention: AttentionSpec | None = None,
+        sampling: tuple[float, int, int] | None = None,
+    ) -> SearchOptions:
+        """SearchOptions from the model's decode section and these overrides; n_best above
+        the beam is refused (sampling draws any number)."""
         beam = self.cfg.decode.beam if beam is None else beam
         if n_best > beam and sampling is None:
             raise AttnmtError(f"--n-best {n_best} exceeds the beam size {beam}; raise --beam")
-        options = search_options(
+        return search_options(
             self.cfg.decode, beam=beam, length_penalty=length_penalty, n_best=n_best,
-            sampling=sampling,
+            attention=attention, sampling=sampling,
         )  # fmt: skip
-        return self.search(lines, options, batch_tokens, workers)
 
     def search(
         self,
@@ -128,13 +140,15 @@ class Translator:
         options: SearchOptions,
         batch_tokens: int | None = None,
         workers: int = 1,
+        first_line: int = 0,
     ) -> list[list[Translation]]:
-        """Search (or sample) with `options` over lines: what the other methods call."""
+        """Search (or sample) with `options` over lines: what the other methods call.
+        `first_line`: the number of lines before these in a longer input (sampling seeds)."""
         with matmul_backend(self.matmul):
             return run_search(
                 self.model, self.tokenizer, list(lines), options,
                 batch_tokens=batch_tokens or self.cfg.decode.batch_tokens, device=self.device,
-                workers=workers,
+                workers=workers, first_line=first_line,
             )  # fmt: skip
 
     @staticmethod

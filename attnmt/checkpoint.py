@@ -3,7 +3,7 @@
 A model directory holds everything translate and eval need:
     config.yaml           the resolved config (defaults filled in, absolute data paths)
     spm.model             the joint SentencePiece model (or spm.src.model + spm.tgt.model)
-    best.safetensors      weights with the best dev BLEU
+    best.safetensors      weights with the best dev score (train.early_stopping)
     last.safetensors      weights after the last step
     train_log.jsonl       one JSON object per validation (and start/end events)
     train.log             the same, as the lines printed during training
@@ -456,7 +456,7 @@ def read_run_files(model_dir: Path) -> tuple[Config, dict[str, Any]]:
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
         version = int(meta["format_version"])
-        int(meta["src_vocab_size"]), int(meta["tgt_vocab_size"])
+        int(meta["src_vocab_size"]), int(meta["tgt_vocab_size"])  # checked here, read later
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{meta_path}: unreadable metadata ({e})") from None
     if version > FORMAT_VERSION:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import signal
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -203,7 +202,6 @@ def translate(
     --sampling: --n-best K draws K per line)."""
     from attnmt.api import Translator
     from attnmt.data import input_chunks, open_input
-    from attnmt.evaluate import SEED_MASK, search_options
 
     if output is not None:
         check_output_path(output, "--output")
@@ -213,26 +211,18 @@ def translate(
         raise AttnmtError("--sampling draws instead of searching: drop --beam")
     loaded = Translator.load(model, device, weights, precision, matmul)
     cfg = loaded.cfg
-    beam = cfg.decode.beam if beam is None else beam
-    if n_best > beam and not sampling:
-        raise AttnmtError(f"--n-best {n_best} exceeds the beam size {beam}; raise --beam")
     spec = None
     if attention is not None:
         spec = _attention_spec(cfg, attention, attention_layer, attention_head)
-    options = search_options(
-        cfg.decode, beam=beam, length_penalty=length_penalty, n_best=n_best, attention=spec,
-        sampling=(temperature, top_k, seed) if sampling else None,
-    )  # fmt: skip
+    draws = (temperature, top_k, seed) if sampling else None
+    options = loaded.options(beam, n_best, length_penalty, attention=spec, sampling=draws)
     done = 0  # lines translated so far
     # Chunk by chunk, written as each is done: memory stays bounded, and a line sent alone
     # through a pipe or typed at a terminal is answered at once.
     with OutputSink(output) as sink:
         for lines in input_chunks(input):
-            if sampling:  # each chunk its own seed: its batches' seeds count from 0 again
-                options = replace(options, seed=hash((seed, done)) & SEED_MASK)
-            results = loaded.search(
-                lines, options, batch_tokens, _workers(workers, cfg.decode.workers, loaded.device)
-            )
+            n_workers = _workers(workers, cfg.decode.workers, loaded.device)
+            results = loaded.search(lines, options, batch_tokens, n_workers, first_line=done)
             sink.write(_format(results, n_best, done))
             if spec is not None and attention is not None:
                 _write_attention_maps(attention, [r[0] for r in results], cfg, spec, done + 1)
@@ -299,7 +289,7 @@ def average(
     best: Annotated[
         int | None,
         typer.Option(
-            "--best", min=1, help="Average the N kept checkpoints with the best dev BLEU."
+            "--best", min=1, help="Average the N kept checkpoints with the best dev score."
         ),
     ] = None,
 ) -> None:

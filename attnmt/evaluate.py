@@ -45,6 +45,7 @@ def translate(
     batch_sentences: int | None = None,
     device: torch.device | str = "cpu",
     workers: int = 1,
+    first_line: int = 0,
 ) -> list[list[Translation]]:
     """Translate each line: options.n_best translations per input, in input order.
 
@@ -74,7 +75,8 @@ def translate(
             src[j] = [*ids[: options.max_src_len - 1], EOS_ID]
     batches = list(sorted_batches([len(s) for s in src], batch_tokens, batch_sentences))
 
-    results = _search_batches(_SearchJob(model, src, options, device), batches, workers)
+    job = _SearchJob(model, src, options, device, first_line)
+    results = _search_batches(job, batches, workers)
     for batch, found in zip(batches, results, strict=True):
         for j, hyps in zip(batch, found, strict=True):
             src_pieces = tokenizer.src.pieces(src[j])
@@ -103,13 +105,16 @@ class _SearchJob:
     src: list[list[int]]  # source ids, EOS included
     options: SearchOptions
     device: torch.device | str
+    first_line: int = 0  # lines of the input before these (a chunk's offset): sampling seeds
 
     @torch.inference_mode()  # per thread, like grad mode: set in the thread that searches
     def __call__(self, batch: list[int]) -> list[list[Hypothesis]]:
         tokens = pad_sequences([self.src[j] for j in batch], PAD_ID).to(self.device)  # (B, S)
         pad_mask = tokens == PAD_ID  # (B, S)
-        if self.options.sampling:  # a seed per batch: the draws do not depend on --workers
-            options = replace(self.options, seed=hash((self.options.seed, batch[0])) & SEED_MASK)
+        if self.options.sampling:  # a seed per batch, from its first line's place in the input:
+            # the draws depend on neither --workers nor how the input was chunked into calls
+            seed = hash((self.options.seed, self.first_line + batch[0])) & SEED_MASK
+            options = replace(self.options, seed=seed)
             return sample(self.model, tokens, pad_mask, options)
         if self.options.beam == 1:
             return [[h] for h in greedy_search(self.model, tokens, pad_mask, self.options)]

@@ -404,7 +404,7 @@ def train_loop(run: Run) -> dict[str, Any]:
                         stop_reason = "early_stopping"
                     elif p.step >= t.max_steps:
                         stop_reason = "max_steps"
-                    elif t.time_budget is not None and budget_spent(run):
+                    elif result.budget_used >= 1.0:
                         stop_reason = "time_budget"
                 if result.signalled:
                     bar.close()
@@ -420,13 +420,6 @@ def train_loop(run: Run) -> dict[str, Any]:
     if ranks.is_main and t.average_last:
         average_at_end(run)
     return finish(run, stop_reason or "max_epochs")
-
-
-def budget_spent(run: Run) -> bool:
-    """Whether train.time_budget is spent, keeping room for one more validation (rank 0's
-    clock decides for every rank)."""
-    used = run.budget_used() if run.ranks.is_main else 0.0
-    return run.ranks.sum([used])[0] >= 1.0
 
 
 # --- setup ---
@@ -690,6 +683,7 @@ class StepResult:
     loss_finite: bool
     grads_finite: bool
     signalled: bool  # some rank received SIGINT/SIGTERM
+    budget_used: float = 0.0  # the share of train.time_budget spent after the step (0: none)
 
     @property
     def updated(self) -> bool:
@@ -736,7 +730,10 @@ def train_step(run: Run, idx: list[int], signalled: bool) -> StepResult:
     grad_norm = torch.nn.utils.clip_grad_norm_(
         run.model.parameters(), t.clip_grad_norm if t.clip_grad_norm > 0 else math.inf
     )
-    step_loss, signals = ranks.sum([float(loss_sum.detach()), float(signalled)])
+    # The time budget's share spent after the step is rank 0's (every rank stops together).
+    step_loss, signals, used = ranks.sum(
+        [float(loss_sum.detach()), float(signalled), run.budget_used() * ranks.is_main]
+    )
     loss_finite, grads_finite = math.isfinite(step_loss), bool(torch.isfinite(grad_norm))
     if loss_finite and grads_finite:
         run.scaler.step(run.optimizer)
@@ -745,7 +742,7 @@ def train_step(run: Run, idx: list[int], signalled: bool) -> StepResult:
     run.scaler.update()
     return StepResult(
         step, step_loss, step_tokens, step_positions, step_real, lr, tf, loss_finite,
-        grads_finite, signals > 0,
+        grads_finite, signals > 0, used,
     )  # fmt: skip
 
 
