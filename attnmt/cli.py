@@ -306,6 +306,33 @@ def average(
 
 
 @app.command()
+def export(
+    model: Annotated[Path, typer.Argument(help="Trained model directory (a Transformer).")],
+    out: Annotated[Path, typer.Argument(help="Directory to write the exported model to.")],
+    format: Annotated[
+        str, typer.Option("--format", help="Target runtime (ctranslate2).")
+    ] = "ctranslate2",
+    weights: Annotated[
+        str, typer.Option("--weights", help="best, last, averaged, step-N or a file.")
+    ] = "best",
+    quantization: Annotated[
+        str | None,
+        typer.Option("--quantization", help="Store weights as int8, int16, float16, ..."),
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace OUT if it exists.")] = False,
+) -> None:
+    """Export a Transformer to CTranslate2 (pip install 'attnmt[export]'), tokenizer included."""
+    from attnmt.export import export_ctranslate2
+
+    if format != "ctranslate2":
+        raise AttnmtError(f"--format {format!r}: expected ctranslate2")
+    if not model.is_dir():
+        raise AttnmtError(f"model directory not found: {model}")
+    files = export_ctranslate2(model, out, weights, quantization, force)
+    typer.echo(f"{out}: {', '.join(files)}")
+
+
+@app.command()
 def plot(
     models: Annotated[list[Path], typer.Argument(help="Model directories (one or more).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="PNG file to write.")] = Path(

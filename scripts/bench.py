@@ -279,10 +279,8 @@ def bench_train(args: argparse.Namespace) -> None:
         )
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    sub = ap.add_subparsers(dest="what", required=True)
-    d = sub.add_parser("decode", help="translation speed and BLEU on test_2016_flickr")
+def add_decode_args(d: argparse.ArgumentParser) -> None:
+    """The options of `decode` (and of `export`, which runs decode first)."""
     d.add_argument("--model", type=Path, action="append", required=True, help="model directory")
     d.add_argument("--data", type=Path, default=Path("data/multi30k"), help="Multi30k folder")
     d.add_argument("--runs", type=int, default=3, help="timed runs per measurement (median)")
@@ -302,6 +300,19 @@ def main() -> int:
     d.add_argument(
         "--matmul", choices=list(matmul.BACKENDS), default="auto", help="CPU fp32 matmul library"
     )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = ap.add_subparsers(dest="what", required=True)
+    d = sub.add_parser("decode", help="translation speed and BLEU on test_2016_flickr")
+    add_decode_args(d)
+    e = sub.add_parser("export", help="attnmt beside its CTranslate2 export (fp32, int8)")
+    add_decode_args(e)
+    e.add_argument(
+        "--compute-types", type=lambda s: s.split(","), default=["float32", "int8"],
+        help="CTranslate2 compute types, e.g. float32,int8",
+    )  # fmt: skip
     t = sub.add_parser("train", help="training speed on Multi30k de-en")
     t.add_argument("--data", type=Path, default=Path("data/multi30k"), help="Multi30k folder")
     t.add_argument("--steps", type=int, default=200, help="training steps per config")
@@ -350,6 +361,12 @@ def main() -> int:
         bench_data(args)
     elif args.what == "decode":
         bench_decode(args)
+    elif args.what == "export":
+        from bench_export import bench_export
+
+        with matmul.matmul_backend(args.matmul) as backend:
+            args.matmul = backend
+            bench_export(args, decode_models)
     elif args.what == "train":
         if not 0 <= args.warmup < args.steps:
             ap.error("--warmup must be below --steps")

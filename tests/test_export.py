@@ -1,0 +1,92 @@
+"""attnmt export --format ctranslate2: CTranslate2's greedy output equals ours."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ctranslate2
+import sentencepiece as spm
+
+from attnmt import Translator
+from attnmt.config import from_dict
+from attnmt.train import train
+
+from conftest import tiny_config
+
+SENTENCES = 8
+
+
+def ct2_greedy(out: Path, lines: list[str], src_model: str, tgt_model: str) -> list[str]:
+    """Translate each line alone with the exported model, under attnmt's default output limit
+    (1.5 × source subwords with EOS, + 10), as a user of CTranslate2 would."""
+    src_sp = spm.SentencePieceProcessor(model_file=str(out / src_model))
+    tgt_sp = spm.SentencePieceProcessor(model_file=str(out / tgt_model))
+    translator = ctranslate2.Translator(str(out), device="cpu")
+    found = []
+    for line in lines:
+        pieces = src_sp.encode(line, out_type=str)
+        limit = int(1.5 * (len(pieces) + 1)) + 10
+        result = translator.translate_batch([pieces], beam_size=1, max_decoding_length=limit)
+        found.append(tgt_sp.decode(result[0].hypotheses[0]))
+    return found
+
+
+def train_tiny(base: Path, corpus, **model) -> Path:
+    raw = tiny_config(corpus, model.pop("arch", "transformer"))
+    raw["train"].update(max_steps=2, eval_every=2)
+    raw["model"].update(model)
+    raw["tokenizer"]["joint"] = model.get("tie_embeddings", True)
+    train(from_dict(raw), base / "m", quiet=True)
+    return base / "m"
+
+
+def test_ctranslate2_greedy_equals_ours_pre_norm_tied(tmp_path: Path, trained, run_cli):
+    model, corpus = trained
+    lines = corpus["dev_src"].read_text().splitlines()[:SENTENCES]
+    result = run_cli("export", str(model), str(tmp_path / "ct2"))
+    assert result.code == 0, result.stderr
+    assert {"model.bin", "config.json", "spm.model"} <= {
+        p.name for p in (tmp_path / "ct2").iterdir()
+    }
+    ours = Translator.load(model).translate(lines, beam=1)
+    assert ct2_greedy(tmp_path / "ct2", lines, "spm.model", "spm.model") == ours
+
+
+def test_ctranslate2_greedy_equals_ours_post_norm_untied(tmp_path: Path, corpus, run_cli):
+    model = train_tiny(tmp_path, corpus, norm="post", tie_embeddings=False)
+    lines = corpus["dev_src"].read_text().splitlines()[:SENTENCES]
+    assert run_cli("export", str(model), str(tmp_path / "ct2")).code == 0
+    ours = Translator.load(model).translate(lines, beam=1)
+    assert ct2_greedy(tmp_path / "ct2", lines, "spm.src.model", "spm.tgt.model") == ours
+
+
+def test_int8_export_is_smaller_and_translates(tmp_path: Path, trained, run_cli):
+    model, corpus = trained
+    assert run_cli("export", str(model), str(tmp_path / "fp32")).code == 0
+    result = run_cli("export", str(model), str(tmp_path / "int8"), "--quantization", "int8")
+    assert result.code == 0, result.stderr
+    fp32, int8 = ((tmp_path / d / "model.bin").stat().st_size for d in ("fp32", "int8"))
+    assert int8 < fp32
+    lines = corpus["dev_src"].read_text().splitlines()[:2]
+    assert all(ct2_greedy(tmp_path / "int8", lines, "spm.model", "spm.model"))
+
+
+def test_refusals_are_one_line(tmp_path: Path, trained, corpus, run_cli):
+    model, _ = trained
+    (tmp_path / "taken").mkdir()
+    result = run_cli("export", str(model), str(tmp_path / "taken"))
+    assert result.code == 2 and "exists; pass --force" in result.stderr
+    assert not any((tmp_path / "taken").iterdir())
+    result = run_cli("export", str(model), str(tmp_path / "x"), "--quantization", "int3")
+    assert result.code == 2 and "--quantization 'int3'" in result.stderr
+    rnn = train_tiny(tmp_path, corpus, arch="rnn")
+    result = run_cli("export", str(rnn), str(tmp_path / "rnn_ct2"))
+    assert result.code == 2 and "CTranslate2 has no GRU decoder" in result.stderr
+    assert result.stderr.count("\n") == 1
+    assert not (tmp_path / "rnn_ct2").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left
+
+
+def test_unknown_format_is_refused(tmp_path: Path, trained, run_cli):
+    result = run_cli("export", str(trained[0]), str(tmp_path / "o"), "--format", "onnx")
+    assert result.code == 2 and "expected ctranslate2" in result.stderr
