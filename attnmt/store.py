@@ -246,12 +246,26 @@ class TokenStore:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.meta = json.loads((directory / "meta.json").read_text(encoding="utf-8"))
-        sides = {}
+        sides, self.maps = {}, []
         for side in ("src", "tgt"):
             tokens = _map(directory / f"{side}.tokens", np.dtype(self.meta["dtype"]))
             offsets = _map(directory / f"{side}.offsets", np.dtype(np.int64))
             sides[side] = Ragged(tokens, offsets)
+            self.maps += [tokens, offsets]
         self.src, self.tgt = sides["src"], sides["tgt"]
+
+    def pairs(self, idx: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+        """The source and target ids of pairs idx, read without keeping their pages mapped.
+
+        Batches touch pairs all over the store, so over a run nearly every page of a large
+        store would stay in the process's resident memory. MADV_DONTNEED drops them from the
+        process (they stay in the OS's page cache, so reading them again is cheap)."""
+        src, tgt = [self.src[i] for i in idx], [self.tgt[i] for i in idx]
+        if hasattr(mmap, "MADV_DONTNEED"):
+            for array in self.maps:
+                if isinstance(array, np.memmap):
+                    array._mmap.madvise(mmap.MADV_DONTNEED)  # type: ignore[attr-defined]
+        return src, tgt
 
     def __len__(self) -> int:
         return len(self.src)

@@ -700,10 +700,8 @@ def train_step(run: Run, idx: list[int], signalled: bool) -> StepResult:
     """Train on the batch of pairs `idx`: forward, backward, clip, and (if every loss and
     gradient is finite) an optimizer update. `signalled`: this rank received a stop signal."""
     t, p, ranks = run.cfg.train, run.progress, run.ranks
-    data = run.train_data
-    batch = collate(
-        [data.src[i] for i in idx], [data.tgt[i] for i in idx], idx, PAD_ID, BOS_ID, EOS_ID
-    ).to(run.device)
+    src, tgt = run.train_data.pairs(idx)
+    batch = collate(src, tgt, idx, PAD_ID, BOS_ID, EOS_ID).to(run.device)
     step = p.step + 1
     if ranks.world > 1:
         torch.manual_seed(distributed.step_seed(t.seed, ranks.rank, p.step))

@@ -7,7 +7,8 @@ process (a small Transformer, --steps steps, 8,000-piece joint vocabulary) and s
 proportional memory (PSS) of the child and its worker processes every 0.1 s. Prints one JSON line:
 pairs, text MB, seconds to the `data` event (SentencePiece + encoding), encode pairs/s (from
 the store), peak PSS (MB, the process tree's sum) before the data event and during training,
-and the start-up seconds of a `--resume` (until its `model` event; no re-encoding).
+the start-up seconds of a `--resume` (until its `model` event; no re-encoding), and the peak
+PSS of --steps more steps after a second resume (the training path alone, without the build).
 """
 
 from __future__ import annotations
@@ -124,6 +125,13 @@ def bench_data(args: argparse.Namespace) -> None:
         "model",
         skip=before,
     )
+    # The steps again from a resume: the same code path without the build in the process.
+    more = watch(
+        [*cmd, "--resume", "--set", f"train.max_steps={2 * args.steps + 1}"],
+        out / "train_log.jsonl",
+        "model",
+        skip=len(events(out / "train_log.jsonl")),
+    )
     text_mb = sum(f.stat().st_size for k, f in files.items() if k.startswith("train")) / 2**20
     print(json.dumps({
         "bench": "data", "pairs": args.pairs, "text_mb": round(text_mb, 1),
@@ -135,4 +143,5 @@ def bench_data(args: argparse.Namespace) -> None:
         "steps": args.steps,
         "resume_startup_s": round(resume["to_event_s"], 1),
         "resume_peak_pss_mb": round(max(resume["before"], resume["after"])),
+        "resumed_steps_peak_pss_mb": round(more["after"]),
     }))  # fmt: skip

@@ -40,6 +40,9 @@ def test_store_equals_direct_encoding(tmp_path: Path, workers, monkeypatch):
     assert len(store) == len(keep) == meta["pairs"]
     assert [store.src[i] for i in range(len(store))] == [src[i] for i in keep]
     assert [store.tgt[i] for i in range(len(store))] == [tgt[i] for i in keep]
+    for _ in range(2):  # pairs() drops the pages it read from the process; they read again
+        idx = [3, 0, len(store) - 1, 3]
+        assert store.pairs(idx) == ([src[keep[i]] for i in idx], [tgt[keep[i]] for i in idx])
     assert (meta["skipped_empty"], meta["skipped_too_long"]) == (2, len(src) - len(keep))
     src_len, tgt_len = store.lengths()
     assert src_len.tolist() == [len(src[i]) for i in keep]
