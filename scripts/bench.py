@@ -11,6 +11,7 @@
                                    [--beams 1,5] [--batch-sentences 64] [--max-len 60]
                                    [--threads 2] [--workers 1[,2]] [--precision fp32]
                                    [--matmul auto]
+    python scripts/bench.py export (decode's options) [--compute-types float32,int8]
 
 decode: translates Multi30k test_2016_flickr (1,000 sentences, from --data, default
 data/multi30k) with each model and beam size, the way ../shared/peers measures JoeyNMT and
@@ -21,6 +22,8 @@ length, and BLEU/chrF with sacreBLEU signatures. --workers 2 searches two batche
 in its own forked process on one of the 2 threads (`attnmt translate --workers`); --precision
 bf16 or fp16 decodes with the weights in that format (`attnmt translate --precision`).
 --matmul auto|blas|onednn picks the CPU fp32 matmul library (`attnmt translate --matmul`).
+
+export: decode's rows, then the same model exported to CTranslate2 (scripts/bench_export.py).
 
 serve: see scripts/bench_serve.py (`attnmt serve` under 1, 8, 32 concurrent loopback clients
 sending 1 or 16 sentences a request: sentences/s, p50/p99 latency, against the batch path).
@@ -364,9 +367,8 @@ def main() -> int:
     elif args.what == "export":
         from bench_export import bench_export
 
-        with matmul.matmul_backend(args.matmul) as backend:
-            args.matmul = backend
-            bench_export(args, decode_models)
+        bench_decode(args)  # attnmt's rows, then CTranslate2's
+        bench_export(args)
     elif args.what == "train":
         if not 0 <= args.warmup < args.steps:
             ap.error("--warmup must be below --steps")

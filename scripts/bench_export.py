@@ -16,7 +16,6 @@ import json
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from itertools import product
 from pathlib import Path
 
@@ -29,13 +28,12 @@ from attnmt.export import export_ctranslate2
 from attnmt.tokenizer import Tokenizer
 
 
-def bench_export(args: argparse.Namespace, decode_models: Callable) -> None:
-    """attnmt's rows (bench.py decode's), then CTranslate2's per compute type, workers, beam."""
+def bench_export(args: argparse.Namespace) -> None:
+    """CTranslate2's rows: per compute type, workers and beam (bench.py prints attnmt's first)."""
     import ctranslate2
 
     src = read_lines(args.data / "test_2016_flickr.de.gz")
     ref = read_lines(args.data / "test_2016_flickr.en.gz")
-    decode_models(args, args.matmul)
     for model_dir in args.model:
         cfg, _ = read_run_files(model_dir)
         joint = cfg.tokenizer.joint
