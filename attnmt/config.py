@@ -195,7 +195,7 @@ class TrainConfig(_Section):
     clip_grad_norm: float = Field(1.0, ge=0.0)
     seed: int = Field(1234, ge=0, le=2**32 - 1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"  # auto: bf16 where native
     matmul: Literal["auto", "blas", "onednn"] = "auto"
     compile: bool = False
     threads: int = Field(0, ge=0, le=1024)

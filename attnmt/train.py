@@ -463,12 +463,13 @@ def setup(
     )
     if len(cfg.data.corpora) > 1:
         log_corpora(log, cfg, sampler)
+    precision = resolve_precision(t.precision, device)
     run = Run(
         cfg, out, ranks, device, log, tokenizer, train_data, dev_data, dev_text, model, model,
         optimizer,
         # fp16 needs loss scaling to keep small gradients from underflowing; bf16, fp32 do not.
-        torch.amp.GradScaler(device.type, enabled=t.precision == "fp16"),
-        None if t.precision == "fp32" else PRECISION_DTYPES[t.precision],
+        torch.amp.GradScaler(device.type, enabled=precision == "fp16"),
+        None if precision == "fp32" else PRECISION_DTYPES[precision],
         sampler, tf_generator, Progress(), start_time,
     )  # fmt: skip
     if checkpoint is not None:
@@ -489,6 +490,16 @@ def setup(
     if resume and checkpoint is None:
         log.event("resume", "--resume: no checkpoint in this directory yet; starting at step 0")
     return run
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """train.precision as trained: `auto` is bf16 where the device multiplies bf16 natively (a
+    CUDA GPU that supports it; a CPU with AMX or AVX512-BF16), fp32 elsewhere."""
+    if precision != "auto":
+        return precision
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    return "bf16" if device.type == "cpu" and cpu_matmul_hardware("bf16") else "fp32"
 
 
 def seed_everything(seed: int) -> torch.Generator:
@@ -638,15 +649,19 @@ def log_model(run: Run, resumed: bool) -> None:
     n_params = sum(p.numel() for p in run.model.parameters())
     mm_backend = active_backend() if device.type == "cpu" else "blas"
     fp32_cpu = device.type == "cpu" and run.autocast_dtype is None
+    names = {dtype: name for name, dtype in PRECISION_DTYPES.items()}
+    precision = "fp32" if run.autocast_dtype is None else names[run.autocast_dtype]
     run.log.event(
         "model",
-        f"model: {run.cfg.model.arch}, {n_params:,} parameters, device {device}, {t.precision}"
+        f"model: {run.cfg.model.arch}, {n_params:,} parameters, device {device}, {precision}"
+        + (" (train.precision auto)" if t.precision == "auto" else "")
         + (f", {mm_backend} matmuls" if fp32_cpu else "")
         + (f", {run.ranks.world} processes" if run.ranks.world > 1 else "")
         + (f" | resumed at step {run.progress.step}" if resumed else ""),
         arch=run.cfg.model.arch,
         parameters=n_params,
         device=str(device),
+        precision=precision,
         resumed_step=run.progress.step if resumed else None,
         matmul=mm_backend,
     )
@@ -655,13 +670,13 @@ def log_model(run: Run, resumed: bool) -> None:
     if (
         device.type == "cpu"
         and run.autocast_dtype is not None
-        and not cpu_matmul_hardware(t.precision)
+        and not cpu_matmul_hardware(precision)
     ):
         run.log.event(
             "precision",
-            f"train.precision={t.precision}: this CPU has no {t.precision} matmul "
-            f"instructions ({CPU_MATMUL_INSTRUCTIONS[t.precision]}); expect it slower than fp32",
-            precision=t.precision,
+            f"train.precision={precision}: this CPU has no {precision} matmul "
+            f"instructions ({CPU_MATMUL_INSTRUCTIONS[precision]}); expect it slower than fp32",
+            precision=precision,
             hardware=False,
         )
 

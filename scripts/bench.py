@@ -69,6 +69,7 @@ from attnmt.checkpoint import load_model_dir
 from attnmt.data import read_lines
 from attnmt.evaluate import SearchOptions, for_decoding, score, translate
 from attnmt.kernels import PRECISION_DTYPES, matmul
+from attnmt.train import resolve_precision
 
 
 def bench_decode(args: argparse.Namespace) -> None:
@@ -216,6 +217,7 @@ def bench_train(args: argparse.Namespace) -> None:
             precision = next(
                 (a.split("=", 1)[1] for a in args.set if a.startswith("train.precision=")), "fp32"
             )
+            precision = resolve_precision(precision, torch.device("cpu"))
             dtype = PRECISION_DTYPES.get(precision, torch.float32)
             # The machine's fp32 peak: the better of the two libraries (attnmt.matmul).
             peaks = {}

@@ -21,7 +21,7 @@ from attnmt.errors import CheckpointError, ConfigError, TrainingError
 from attnmt.evaluate import SearchOptions, translate_lines
 from attnmt.kernels import cpu_matmul_hardware
 from attnmt.kernels.matmul import ONEDNN_CACHE_CAPACITY
-from attnmt.train import train
+from attnmt.train import resolve_precision, train
 from attnmt.transformer import TransformerSeq2Seq
 
 from conftest import tiny_config, write_config
@@ -299,6 +299,19 @@ def test_low_precision_without_cpu_hardware_is_flagged(
     assert len(flagged) == (0 if hardware else 1)
     log_text = (tmp_path / "m" / "train.log").read_text()
     assert ("slower than fp32" in log_text) == (not hardware)
+
+
+@pytest.mark.parametrize("hardware", [True, False])
+def test_auto_precision_is_bf16_only_on_native_hardware(
+    tmp_path: Path, corpus, monkeypatch, hardware
+):
+    monkeypatch.setattr("attnmt.train.cpu_matmul_hardware", lambda precision: hardware)
+    raw = config(corpus, max_steps=2, eval_every=2, precision="auto", device="cpu")
+    train(from_dict(raw), tmp_path / "m", quiet=True)
+    model_event = next(e for e in events(tmp_path / "m") if e["event"] == "model")
+    assert model_event["precision"] == ("bf16" if hardware else "fp32")
+    assert not [e for e in events(tmp_path / "m") if e["event"] == "precision"]
+    assert resolve_precision("fp16", torch.device("cpu")) == "fp16"  # named formats stay
 
 
 def test_cpu_matmul_hardware_answers_from_the_cpu_probes(monkeypatch):
