@@ -327,7 +327,7 @@ class Run:
     step_model: nn.Module  # what runs a step: the model, or its DDP / compiled wrapper
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
-    autocast_dtype: torch.dtype | None  # None: fp32
+    precision: str  # the number format trained in: train.precision with `auto` resolved
     sampler: BucketSampler
     tf_generator: torch.Generator  # scheduled sampling's coin flips
     progress: Progress
@@ -346,9 +346,9 @@ class Run:
         return min((self.elapsed() + self.progress.validation_s) / budget, 1.0)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.autocast_dtype is None:
+        if self.precision == "fp32":
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+        return torch.autocast(self.device.type, dtype=PRECISION_DTYPES[self.precision])
 
 
 def train(
@@ -469,7 +469,7 @@ def setup(
         optimizer,
         # fp16 needs loss scaling to keep small gradients from underflowing; bf16, fp32 do not.
         torch.amp.GradScaler(device.type, enabled=precision == "fp16"),
-        None if precision == "fp32" else PRECISION_DTYPES[precision],
+        precision,
         sampler, tf_generator, Progress(), start_time,
     )  # fmt: skip
     if checkpoint is not None:
@@ -648,9 +648,8 @@ def log_model(run: Run, resumed: bool) -> None:
     t, device = run.cfg.train, run.device
     n_params = sum(p.numel() for p in run.model.parameters())
     mm_backend = active_backend() if device.type == "cpu" else "blas"
-    fp32_cpu = device.type == "cpu" and run.autocast_dtype is None
-    names = {dtype: name for name, dtype in PRECISION_DTYPES.items()}
-    precision = "fp32" if run.autocast_dtype is None else names[run.autocast_dtype]
+    precision = run.precision
+    fp32_cpu = device.type == "cpu" and precision == "fp32"
     run.log.event(
         "model",
         f"model: {run.cfg.model.arch}, {n_params:,} parameters, device {device}, {precision}"
@@ -665,13 +664,9 @@ def log_model(run: Run, resumed: bool) -> None:
         resumed_step=run.progress.step if resumed else None,
         matmul=mm_backend,
     )
-    if device.type == "cpu" and (run.autocast_dtype is not None or mm_backend == "onednn"):
+    if device.type == "cpu" and (not fp32_cpu or mm_backend == "onednn"):
         limit_onednn_kernel_cache()  # before the first step: oneDNN reads it once
-    if (
-        device.type == "cpu"
-        and run.autocast_dtype is not None
-        and not cpu_matmul_hardware(precision)
-    ):
+    if device.type == "cpu" and not fp32_cpu and not cpu_matmul_hardware(precision):
         run.log.event(
             "precision",
             f"train.precision={precision}: this CPU has no {precision} matmul "
