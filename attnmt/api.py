@@ -1,17 +1,19 @@
-"""The Python API: a trained model directory loaded once, translating lists of sentences.
+"""The Python API: a trained model directory loaded once, translating lists and streams.
 
     from attnmt import Translator
     translator = Translator.load("runs/m30k_transformer")
     translator.translate(["Ein Mann fährt Fahrrad."], beam=5)   # -> ["A man rides a bike."]
 
-It is what `attnmt translate` and `attnmt eval` run: the same loading checks (safetensors with
-checksums, no unpickling) and the same search, so it gives exactly the CLI's lines.
+It is what `attnmt translate`, `attnmt eval` and `attnmt serve` run: the same loading checks
+(safetensors with checksums, no unpickling), the same search and the same worker policy, so it
+gives exactly the CLI's lines.
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,39 +21,36 @@ import torch
 
 from attnmt.checkpoint import BEST_FILE, LAST_FILE, load_model_dir
 from attnmt.config import Config
-from attnmt.errors import AttnmtError
-from attnmt.evaluate import (
-    Scores,
-    Translation,
-    for_decoding,
-    score,
-    search_options,
-)
-from attnmt.evaluate import translate as run_search
-from attnmt.kernels import (
-    BACKENDS,
-    CPU_MATMUL_INSTRUCTIONS,
-    PRECISION_DTYPES,
-    cpu_matmul_hardware,
+from attnmt.data import CHUNK_LINES, input_chunks
+from attnmt.device import (
+    DEVICES,
+    MATMUL_BACKENDS,
+    PRECISIONS,
+    choices,
     limit_onednn_kernel_cache,
-    matmul_backend,
+    missing_hardware,
+    resolve_device,
 )
+from attnmt.errors import AttnmtError
+from attnmt.evaluate import Scores, Translation, for_decoding, score, score_translations
+from attnmt.evaluate import translate as run_search
 from attnmt.kernels.matmul import resolve
-from attnmt.search import SearchOptions
+from attnmt.search import SearchOptions, search_options
 from attnmt.seq2seq import AttentionSpec, Seq2Seq
 from attnmt.tokenizer import Tokenizer
-from attnmt.train import resolve_device
 
 
 @dataclass
 class Translator:
-    """A model ready to translate with, and the CPU matmul backend it runs under."""
+    """A model ready to translate with, the CPU matmul backend it runs under, and how many
+    batches it searches at once."""
 
     cfg: Config
     tokenizer: Tokenizer
     model: Seq2Seq
     device: torch.device
     matmul: str  # blas or onednn
+    workers: int = 1  # batches searched at once (CPU only)
 
     @classmethod
     def load(
@@ -61,32 +60,34 @@ class Translator:
         weights: str = "best",
         precision: str | None = None,
         matmul: str | None = None,
+        workers: int | None = None,
     ) -> Translator:
         """Load a model directory: `weights` best, last, averaged, step-N or a path; device
         auto, cpu or cuda; precision fp32, bf16 or fp16 (default decode.precision); matmul
-        auto, blas or onednn (default decode.matmul). Notes go to stderr."""
+        auto, blas or onednn (default decode.matmul); workers: batches searched at once
+        (default decode.workers; CPU only). Notes go to stderr."""
         model_dir = Path(model_dir)
-        if device not in ("auto", "cpu", "cuda"):
-            raise AttnmtError(f"--device {device!r}: expected auto, cpu or cuda")
-        if precision is not None and precision not in PRECISION_DTYPES:
-            raise AttnmtError(f"--precision {precision!r}: expected fp32, bf16 or fp16")
-        if matmul is not None and matmul not in BACKENDS:
-            raise AttnmtError(f"--matmul {matmul!r}: expected {', '.join(BACKENDS)}")
+        for flag, value, allowed, expected in (
+            ("--device", device, DEVICES, choices(DEVICES)),
+            ("--precision", precision, PRECISIONS, choices(PRECISIONS)),
+            ("--matmul", matmul, MATMUL_BACKENDS, ", ".join(MATMUL_BACKENDS)),
+        ):
+            if value is not None and value not in allowed:
+                raise AttnmtError(f"{flag} {value!r}: expected {expected}")
         dev = resolve_device(device)
+        if workers is not None and workers > 1 and dev.type != "cpu":
+            raise AttnmtError(f"--workers {workers}: parallel batches are for CPU decoding only")
         cfg, tokenizer, net = load_model_dir(model_dir, weights, dev)
         if weights == "best" and not (model_dir / BEST_FILE).is_file():
             _note(f"{model_dir} has no {BEST_FILE} yet; using {LAST_FILE}")
         precision = precision or cfg.decode.precision
         backend = resolve(matmul or cfg.decode.matmul)
-        if dev.type == "cpu" and (precision != "fp32" or backend == "onednn"):
-            limit_onednn_kernel_cache()  # oneDNN runs these matmuls; as training does
-        if dev.type == "cpu" and not cpu_matmul_hardware(precision):
-            _note(
-                f"this CPU has no {precision} matmul instructions "
-                f"({CPU_MATMUL_INSTRUCTIONS[precision]}); "
-                f"{precision} decoding is emulated and may be slower than fp32"
-            )
-        return cls(cfg, tokenizer, for_decoding(net, precision), dev, backend)
+        limit_onednn_kernel_cache(dev, precision, backend)  # as training does
+        if (lacking := missing_hardware(dev, precision)) is not None:
+            _note(f"{lacking}; {precision} decoding is emulated and may be slower than fp32")
+        # More than one worker only on the CPU: threads share a GPU's stream for nothing.
+        n_workers = (workers or cfg.decode.workers) if dev.type == "cpu" else 1
+        return cls(cfg, tokenizer, for_decoding(net, precision), dev, backend, n_workers)
 
     def translate(
         self,
@@ -94,7 +95,7 @@ class Translator:
         beam: int | None = None,
         length_penalty: float | None = None,
         batch_tokens: int | None = None,
-        workers: int = 1,
+        workers: int | None = None,
     ) -> list[str]:
         """The best translation of each line, in order (beam: default decode.beam; 1 is
         greedy). An empty line gives an empty translation."""
@@ -108,7 +109,7 @@ class Translator:
         n_best: int = 1,
         length_penalty: float | None = None,
         batch_tokens: int | None = None,
-        workers: int = 1,
+        workers: int | None = None,
         sampling: tuple[float, int, int] | None = None,
     ) -> list[list[Translation]]:
         """The n_best translations of each line with their scores (Translation.text, .score);
@@ -134,22 +135,67 @@ class Translator:
             attention=attention, sampling=sampling,
         )  # fmt: skip
 
+    def attention_spec(self, layer: int = -1, head: int | None = None) -> AttentionSpec:
+        """Which attention to return with each hypothesis, checked against the model: a
+        Transformer's decoder layer (-1: the top) and head (None: the mean of heads); the rnn
+        model has one attention, whatever they say."""
+        m = self.cfg.model
+        if m.arch == "transformer":
+            if not -m.dec_layers <= layer < m.dec_layers:
+                raise AttnmtError(
+                    f"--attention-layer {layer}: the decoder has {m.dec_layers} layers"
+                )
+            if head is not None and not 0 <= head < m.heads:
+                raise AttnmtError(f"--attention-head {head}: the model has {m.heads} heads")
+        return AttentionSpec(layer, head)
+
     def search(
         self,
         lines: Sequence[str],
         options: SearchOptions,
         batch_tokens: int | None = None,
-        workers: int = 1,
+        workers: int | None = None,
         first_line: int = 0,
     ) -> list[list[Translation]]:
         """Search (or sample) with `options` over lines: what the other methods call.
         `first_line`: the number of lines before these in a longer input (sampling seeds)."""
-        with matmul_backend(self.matmul):
-            return run_search(
-                self.model, self.tokenizer, list(lines), options,
-                batch_tokens=batch_tokens or self.cfg.decode.batch_tokens, device=self.device,
-                workers=workers, first_line=first_line,
-            )  # fmt: skip
+        return run_search(
+            self.model, self.tokenizer, list(lines), options,
+            batch_tokens=batch_tokens or self.cfg.decode.batch_tokens, device=self.device,
+            workers=workers or self.workers, first_line=first_line, matmul=self.matmul,
+        )  # fmt: skip
+
+    def stream(
+        self,
+        source: Path | Iterable[str] | None,
+        options: SearchOptions,
+        batch_tokens: int | None = None,
+        workers: int | None = None,
+    ) -> Iterator[tuple[list[str], list[list[Translation]]]]:
+        """Translate a stream chunk by chunk, yielding each chunk's lines and their results as
+        soon as they are done: memory stays bounded whatever the input's length.
+
+        `source`: a file (plain or .gz), a pipe or FIFO, or None for standard input (from a
+        pipe or a terminal, a chunk ends when no more input is waiting, so a line sent alone
+        is answered at once: data.input_chunks); or any iterable of lines, taken CHUNK_LINES
+        at a time."""
+        if source is None or isinstance(source, (str, Path)):
+            chunks: Iterable[list[str]] = input_chunks(None if source is None else Path(source))
+        else:
+            lines = iter(source)
+            chunks = iter(lambda: list(itertools.islice(lines, CHUNK_LINES)), [])
+        done = 0  # lines translated so far
+        for chunk in chunks:
+            yield chunk, self.search(chunk, options, batch_tokens, workers, first_line=done)
+            done += len(chunk)
+
+    def score_test_set(
+        self, sources: list[str], references: list[str], beam: int | None = None
+    ) -> tuple[Scores, list[str]]:
+        """Translate a test set (data.read_test_set) and score it with sacreBLEU (BLEU, chrF):
+        every line counts, as in the `test` event at the end of training. Returns the scores
+        and the translations."""
+        return score_translations(lambda s: self.translate(s, beam=beam), sources, references)
 
     @staticmethod
     def score(hypotheses: Sequence[str], references: Sequence[str]) -> Scores:

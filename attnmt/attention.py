@@ -11,10 +11,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from attnmt.kernels import Linear, dropout
+from attnmt.kernels import Linear, dropout, fused_attention
 
 
 def masked_softmax(scores: torch.Tensor, pad_mask: torch.Tensor | None) -> torch.Tensor:
@@ -43,6 +42,11 @@ class SourceAttention(nn.Module):
     def score(self, query: torch.Tensor, proj_keys: torch.Tensor) -> torch.Tensor:
         """query (B, G, query_size), proj_keys (B, S, A) -> energies (B, G, S)."""
         raise NotImplementedError
+
+    def additive_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(W_q, b_q, v) of an additive score v · tanh(W_q q + b_q + W_k k), for the kernels
+        that compute it inside a fused recurrence; None for any other score."""
+        return None
 
     def forward(
         self,
@@ -85,6 +89,10 @@ class AdditiveAttention(SourceAttention):
         q = self.query_layer(query).unsqueeze(2)  # (B, G, 1, H)
         e = torch.tanh(q + proj_keys.unsqueeze(1))  # (B, G, S, H)
         return self.energy_layer(e).squeeze(-1)  # (B, G, S)
+
+    def additive_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = self.query_layer
+        return q.weight, q.bias, self.energy_layer.weight
 
 
 class DotAttention(SourceAttention):
@@ -217,8 +225,7 @@ class MultiHeadAttention(nn.Module):
 
         Args:
             mask: additive float mask broadcastable to (B, h, T_q, T_k) (see additive_mask).
-            causal: apply a causal mask (position t sees keys <= t); lets the fused kernel
-                skip building the mask.
+            causal: apply a causal mask (position t sees keys <= t).
         Returns:
             out (B, T_q, E) and, if need_weights, weights (B, T_q, T_k) averaged over heads
             or (B, h, T_q, T_k).
@@ -226,23 +233,16 @@ class MultiHeadAttention(nn.Module):
         B, T_q, E = query.shape
         q = self.split_heads(self.q_proj(query))  # (B, h, T_q, d)
         p = self.dropout if self.training else 0.0
-        # On CPU the fused kernel draws its dropout mask with the slow bernoulli_; our math
-        # path with ops.dropout is faster there.
-        math_path = need_weights or (p > 0.0 and query.device.type == "cpu")
-        if causal and (math_path or mask is not None):
-            # The fused kernel's is_causal flag cannot be combined with a mask; build it.
-            cm = additive_mask(None, causal_mask(T_q, query.device), q.dtype)  # (T_q, T_k)
-            mask = cm if mask is None else mask + cm
-            causal = False
+        # torch's fused kernel where it is faster (attnmt.kernels); it gives no weights.
+        out = None if need_weights else fused_attention(q, k, v, mask, causal, p)
         weights = None
-        if math_path:
+        if out is None:
+            if causal:
+                cm = additive_mask(None, causal_mask(T_q, query.device), q.dtype)  # (T_q, T_k)
+                mask = cm if mask is None else mask + cm
             out, w = scaled_dot_product(q, k, v, mask, p)  # (B, h, T_q, d), (B, h, T_q, T_k)
             if need_weights:
                 weights = w.mean(dim=1) if average_attn_weights else w  # (B, T_q, T_k) if mean
-        else:
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal
-            )  # (B, h, T_q, d)
         out = out.transpose(1, 2).reshape(B, T_q, E)  # (B, T_q, E)
         return self.out_proj(out), weights
 

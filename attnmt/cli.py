@@ -19,9 +19,7 @@ from attnmt.errors import AttnmtError, DataError, TrainingInterrupted
 from attnmt.files import OutputSink, atomic_write_bytes, check_output_path
 
 if TYPE_CHECKING:
-    import torch
-
-    from attnmt.config import Config
+    from attnmt.api import Translator
     from attnmt.evaluate import Translation
     from attnmt.seq2seq import AttentionSpec
 
@@ -201,31 +199,30 @@ def translate(
     """Translate text, one line in, one line out (beam search, greedy with --beam 1, or
     --sampling: --n-best K draws K per line)."""
     from attnmt.api import Translator
-    from attnmt.data import input_chunks, open_input
+    from attnmt.data import open_input
 
     if output is not None:
         check_output_path(output, "--output")
-    if input is not None and str(input) != "-":
-        open_input(input).close()  # a missing or unreadable file fails before the model loads
+    source = None if input is None or str(input) == "-" else input
+    if source is not None:
+        open_input(source).close()  # a missing or unreadable file fails before the model loads
     if sampling and beam is not None:
         raise AttnmtError("--sampling draws instead of searching: drop --beam")
-    loaded = Translator.load(model, device, weights, precision, matmul)
-    cfg = loaded.cfg
+    translator = Translator.load(model, device, weights, precision, matmul, workers)
     spec = None
     if attention is not None:
-        spec = _attention_spec(cfg, attention, attention_layer, attention_head)
+        spec = translator.attention_spec(attention_layer, attention_head)
+        _make_dir(attention, "--attention")
     draws = (temperature, top_k, seed) if sampling else None
-    options = loaded.options(beam, n_best, length_penalty, attention=spec, sampling=draws)
+    options = translator.options(beam, n_best, length_penalty, attention=spec, sampling=draws)
     done = 0  # lines translated so far
-    # Chunk by chunk, written as each is done: memory stays bounded, and a line sent alone
-    # through a pipe or typed at a terminal is answered at once.
+    # Written chunk by chunk as each is done: a line sent alone through a pipe or typed at a
+    # terminal is answered at once.
     with OutputSink(output) as sink:
-        for lines in input_chunks(input):
-            n_workers = _workers(workers, cfg.decode.workers, loaded.device)
-            results = loaded.search(lines, options, batch_tokens, n_workers, first_line=done)
+        for lines, results in translator.stream(source, options, batch_tokens):
             sink.write(_format(results, n_best, done))
             if spec is not None and attention is not None:
-                _write_attention_maps(attention, [r[0] for r in results], cfg, spec, done + 1)
+                _write_attention_maps(attention, [r[0] for r in results], translator, spec, done)
             done += len(lines)
 
 
@@ -238,46 +235,28 @@ def _format(results: list[list[Translation]], n_best: int, first: int) -> str:
     )
 
 
-def _attention_spec(cfg: Config, directory: Path, layer: int, head: int | None) -> AttentionSpec:
-    """--attention-layer/--attention-head checked against the model; DIR created."""
-    from attnmt.seq2seq import AttentionSpec
-
-    layers, heads = cfg.model.dec_layers, cfg.model.heads
-    if cfg.model.arch == "transformer":
-        if not -layers <= layer < layers:
-            raise AttnmtError(f"--attention-layer {layer}: the decoder has {layers} layers")
-        if head is not None and head >= heads:
-            raise AttnmtError(f"--attention-head {head}: the model has {heads} heads")
+def _make_dir(directory: Path, flag: str) -> None:
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise AttnmtError(f"--attention {directory}: cannot create it ({e.strerror})") from None
-    return AttentionSpec(layer, head)
+        raise AttnmtError(f"{flag} {directory}: cannot create it ({e.strerror})") from None
 
 
 def _write_attention_maps(
-    directory: Path, best: list[Translation], cfg: Config, spec: AttentionSpec, first: int
+    directory: Path, best: list[Translation], translator: Translator, spec: AttentionSpec, done: int
 ) -> None:
-    """A JSON file and a heatmap per input line, numbered from `first` (the first line is 1)."""
+    """A JSON file and a heatmap per input line, numbered after the `done` lines before them
+    (the first line is 1)."""
     from attnmt.heatmap import write_attention_map
 
+    cfg = translator.cfg
     layer = spec.layer % cfg.model.dec_layers  # -1: the top layer, by its number
     what = "Bahdanau attention" if cfg.model.arch == "rnn" else (
         f"cross-attention, layer {layer + 1} of {cfg.model.dec_layers}, "
         + ("mean of heads" if spec.head is None else f"head {spec.head}")
     )  # fmt: skip
-    for i, translation in enumerate(best, start=first):
+    for i, translation in enumerate(best, start=done + 1):
         write_attention_map(directory, i, translation, f"line {i}: {what}")
-
-
-def _workers(option: int | None, configured: int, device: torch.device) -> int:
-    """--workers, else decode.workers; more than one only on the CPU (threads share a GPU's
-    stream for nothing)."""
-    if device.type == "cpu":
-        return configured if option is None else option
-    if option is not None and option > 1:
-        raise AttnmtError(f"--workers {option}: parallel batches are for CPU decoding only")
-    return 1
 
 
 @app.command()
@@ -426,28 +405,24 @@ def evaluate(
         raise AttnmtError("--model needs --src FILE (the source text to translate)")
     if output is not None:
         check_output_path(output, "--output")
-    refs = read_lines(ref)
     if hyp is not None:
-        hyps = read_lines(hyp)
-        name = str(hyp)
-    else:
-        assert model is not None and src is not None
-        sources = read_lines(src)
-        if len(sources) != len(refs):
+        refs, hyps = read_lines(ref), read_lines(hyp)
+        if len(hyps) != len(refs):
             raise DataError(
-                f"line counts differ: {src} has {len(sources)} lines, {ref} has {len(refs)}"
+                f"line counts differ: {hyp} has {len(hyps)} lines, {ref} has {len(refs)}"
             )
+        s = score(hyps, refs)
+    else:
         from attnmt.api import Translator
+        from attnmt.config import SplitConfig
+        from attnmt.data import read_test_set
 
-        loaded = Translator.load(model, device, weights, precision, matmul)
-        workers = _workers(workers, loaded.cfg.decode.workers, loaded.device)
-        hyps = loaded.translate(sources, beam=beam, workers=workers)
-        name = str(src)
+        assert model is not None and src is not None
+        sources, references = read_test_set(SplitConfig(src=src, tgt=ref))  # before the model
+        translator = Translator.load(model, device, weights, precision, matmul, workers)
+        s, hyps = translator.score_test_set(sources, references, beam)
         if output is not None:
             atomic_write_bytes(output, "".join(h + "\n" for h in hyps).encode("utf-8"))
-    if len(hyps) != len(refs):
-        raise DataError(f"line counts differ: {name} has {len(hyps)} lines, {ref} has {len(refs)}")
-    s = score(hyps, refs)
     if as_json:
         typer.echo(json.dumps(s.as_dict()))
     else:

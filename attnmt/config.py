@@ -24,6 +24,13 @@ from pydantic import (
 
 from attnmt.errors import ConfigError
 
+# The choices of where and in what number format to compute; attnmt.device derives its lists
+# (and the CLI's messages) from these, so each set of choices is written once.
+DeviceChoice = Literal["auto", "cpu", "cuda"]
+Precision = Literal["fp32", "bf16", "fp16"]
+TrainPrecision = Literal["auto", "fp32", "bf16", "fp16"]  # auto: bf16 where the hardware has it
+MatmulChoice = Literal["auto", "blas", "onednn"]  # the library of CPU fp32 matmuls
+
 
 class _Section(BaseModel):
     # extra="forbid" makes the schema closed: a typo in a key is an error, not a silent default.
@@ -194,9 +201,9 @@ class TrainConfig(_Section):
     label_smoothing: float = Field(0.1, ge=0.0, lt=1.0)
     clip_grad_norm: float = Field(1.0, ge=0.0)
     seed: int = Field(1234, ge=0, le=2**32 - 1)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"  # auto: bf16 where native
-    matmul: Literal["auto", "blas", "onednn"] = "auto"
+    device: DeviceChoice = "auto"
+    precision: TrainPrecision = "fp32"  # auto: bf16 where native
+    matmul: MatmulChoice = "auto"
     compile: bool = False
     threads: int = Field(0, ge=0, le=1024)
     eval_every: int = Field(1000, ge=1)
@@ -252,8 +259,8 @@ class DecodeConfig(_Section):
     max_src_len: int = Field(1000, ge=2, le=100_000)
     batch_tokens: int = Field(8000, ge=1)
     workers: int = Field(1, ge=1, le=64)
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    matmul: Literal["auto", "blas", "onednn"] = "auto"
+    precision: Precision = "fp32"
+    matmul: MatmulChoice = "auto"
 
 
 class Config(_Section):

@@ -124,11 +124,11 @@ class PairCounts:
 
 
 def read_pairs(
-    src_path: Path, tgt_path: Path, counts: PairCounts | None = None
+    src_path: Path, tgt_path: Path, counts: PairCounts | None = None, keep_empty: bool = False
 ) -> Iterator[tuple[str, str]]:
-    """Stream the (source, target) pairs with text on both sides, stripped; pairs are never
-    shifted (line i with line i). Files of different lengths are a DataError naming both
-    counts, found when the shorter one ends."""
+    """Stream the (source, target) pairs with text on both sides, stripped (keep_empty: every
+    pair, as it is: a test set); pairs are never shifted (line i with line i). Files of
+    different lengths are a DataError naming both counts, found when the shorter one ends."""
     counts = counts if counts is not None else PairCounts()
     src, tgt = _lines(src_path), _lines(tgt_path)
     for s in src:
@@ -139,11 +139,7 @@ def read_pairs(
                 f"line counts differ: {src_path} has {n} lines, {tgt_path} has {counts.read}"
             )
         counts.read += 1
-        s, t = s.strip(), t.strip()
-        if s and t:
-            yield s, t
-        else:
-            counts.empty += 1
+        yield from _kept(s, t, counts, keep_empty)
     rest = sum(1 for _ in tgt)
     if rest:
         raise DataError(
@@ -152,11 +148,27 @@ def read_pairs(
         )
 
 
+def _kept(s: str, t: str, counts: PairCounts, keep_empty: bool) -> Iterator[tuple[str, str]]:
+    """The pair (s, t) stripped if both sides have text (counted as empty if not), or as it is
+    with keep_empty."""
+    if keep_empty:
+        yield s, t
+    elif s.strip() and t.strip():
+        yield s.strip(), t.strip()
+    else:
+        counts.empty += 1
+
+
 def read_tsv(
-    path: Path, src_field: int, tgt_field: int, counts: PairCounts | None = None
+    path: Path,
+    src_field: int,
+    tgt_field: int,
+    counts: PairCounts | None = None,
+    keep_empty: bool = False,
 ) -> Iterator[tuple[str, str]]:
     """Stream the pairs of a TSV file's 1-based fields src_field and tgt_field, stripped, with
-    text on both sides; a line with too few fields is a DataError with file:line."""
+    text on both sides (keep_empty: every pair, as it is); a line with too few fields is a
+    DataError with file:line."""
     counts = counts if counts is not None else PairCounts()
     need = max(src_field, tgt_field)
     for line in _lines(path):
@@ -167,19 +179,24 @@ def read_tsv(
                 f"{path}:{counts.read}: {len(fields)} tab-separated field(s); src_field "
                 f"{src_field} and tgt_field {tgt_field} need {need}"
             )
-        s, t = fields[src_field - 1].strip(), fields[tgt_field - 1].strip()
-        if s and t:
-            yield s, t
-        else:
-            counts.empty += 1
+        yield from _kept(fields[src_field - 1], fields[tgt_field - 1], counts, keep_empty)
 
 
-def read_split(split: SplitConfig, counts: PairCounts | None = None) -> Iterator[tuple[str, str]]:
+def read_split(
+    split: SplitConfig, counts: PairCounts | None = None, keep_empty: bool = False
+) -> Iterator[tuple[str, str]]:
     """A corpus's pairs, from two files or one TSV file, as a stream."""
     if split.tsv is not None:
-        return read_tsv(split.tsv, split.src_field, split.tgt_field, counts)
+        return read_tsv(split.tsv, split.src_field, split.tgt_field, counts, keep_empty)
     assert split.src is not None and split.tgt is not None
-    return read_pairs(split.src, split.tgt, counts)
+    return read_pairs(split.src, split.tgt, counts, keep_empty)
+
+
+def read_test_set(split: SplitConfig) -> tuple[list[str], list[str]]:
+    """A test set's sources and references, every line as it is (an empty one too): what
+    evaluate.score_translations scores."""
+    pairs = list(read_split(split, keep_empty=True))
+    return [s for s, _ in pairs], [t for _, t in pairs]
 
 
 def read_corpora(

@@ -55,18 +55,14 @@ class GRUEncoder(nn.Module):
         )
 
     def forward(
-        self, src: torch.Tensor, src_pad_mask: torch.Tensor, fused: bool = True
+        self, src: torch.Tensor, src_pad_mask: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """src (B, S) -> states (B, S, 2H) and final summary (B, 2H).
-
-        One layer in training runs as kernels.recurrence.bigru_recurrence (hand-written
-        backpropagation through time, both directions in one loop); `fused=False`, more
-        layers, or no gradient (decoding, validation) run torch.nn.GRU over packed sequences,
-        whose C++ loop is faster when there is no backward to prepare (1.45x on test batches).
-        """
+        """src (B, S) -> states (B, S, 2H) and final summary (B, 2H): torch.nn.GRU over packed
+        sequences, or where it applies (see attnmt.kernels) the same recurrence fused."""
         x = self.dropout(self.embed(src))  # (B, S, E)
-        if fused and self.rnn.num_layers == 1 and torch.is_grad_enabled():
-            return bigru_recurrence(x, ~src_pad_mask, self.rnn)  # (B, S, 2H), (B, 2H)
+        fused = bigru_recurrence(x, ~src_pad_mask, self.rnn.all_weights)
+        if fused is not None:
+            return fused  # (B, S, 2H), (B, 2H)
         lengths = (~src_pad_mask).sum(dim=1).cpu()  # (B,)
         # Packing keeps padding out of the recurrence, so the backward direction starts at
         # each sentence's last real token.
@@ -163,30 +159,19 @@ class RNNSeq2Seq(Seq2Seq):
         o = torch.tanh(self.pre_output(torch.cat([out, context, emb], dim=-1)))
         return o * dropout_scale if dropout_scale is not None else self.dropout(o)
 
-    def _fused_decoder(self) -> bool:
-        """One GRU layer with Bahdanau attention (the usual setup) runs as one autograd function
-        with hand-written backpropagation through time (attnmt.kernels)."""
-        return self.dec_layers == 1 and isinstance(self.attention, AdditiveAttention)
-
     def teacher_forced(
-        self, memory: RNNMemory, hidden: torch.Tensor, embs: torch.Tensor, fused: bool = True
+        self, memory: RNNMemory, hidden: torch.Tensor, embs: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The recurrence over gold inputs embs (B, T, E) from state hidden (L, B, D): the GRU
-        outputs and the contexts, (B, T, D) each.
-
-        The usual setup runs fused (_fused_decoder; `fused=False` steps through autograd
-        instead, for tests); other setups step through autograd.
+        outputs and the contexts, (B, T, D) each. The usual setup (one GRU layer, Bahdanau
+        attention) runs as one fused function (attnmt.kernels); others step through autograd.
         """
-        if fused and self._fused_decoder():
-            outs, contexts, _ = gru_attention_recurrence(
-                embs,
-                hidden[0],
-                memory.proj_keys,
-                memory.enc_out,
-                memory.pad_mask,
-                self.attention,
-                self.rnn,
-            )  # (T, B, D) each; fmt: skip
+        fused = gru_attention_recurrence(
+            embs, hidden[0], memory.proj_keys, memory.enc_out, memory.pad_mask,
+            self.attention.additive_weights(), self.rnn.all_weights,
+        )  # fmt: skip
+        if fused is not None:
+            outs, contexts, _ = fused  # (T, B, D) each
             return outs.transpose(0, 1), contexts.transpose(0, 1)
         outs, contexts = [], []
         # unbind, not embs[:, t]: the backward of T slices would zero-fill T tensors of embs's
@@ -244,7 +229,6 @@ class RNNSeq2Seq(Seq2Seq):
         hidden: torch.Tensor,
         gold: torch.Tensor,
         use_gold: torch.Tensor,
-        fused: bool = True,
     ) -> torch.Tensor:
         """Scheduled sampling (Bengio et al. 2015, https://arxiv.org/abs/1506.03099): input
         t > 0 is the gold token where use_gold[:, t], else the argmax of step t-1's logits (the
@@ -256,15 +240,16 @@ class RNNSeq2Seq(Seq2Seq):
         gold_embs = self.tgt_embed(gold)  # (B, T, E)
         if emb_scale is not None:
             gold_embs = gold_embs * emb_scale
-        if fused and self._fused_decoder():
-            sampling = ScheduledSampling(
-                gold, use_gold, emb_scale, pre_scale, self.tgt_embed, self.pre_output,
-                self.output.weight,
-            )  # fmt: skip
-            outs, contexts, inputs = gru_attention_recurrence(
-                gold_embs, hidden[0], memory.proj_keys, memory.enc_out, memory.pad_mask,
-                self.attention, self.rnn, sampling,
-            )  # fmt: skip
+        sampling = ScheduledSampling(
+            gold, use_gold, emb_scale, pre_scale, self.tgt_embed.weight, self.pre_output.weight,
+            self.pre_output.bias, self.output.weight, self.pad_id,
+        )  # fmt: skip
+        fused = gru_attention_recurrence(
+            gold_embs, hidden[0], memory.proj_keys, memory.enc_out, memory.pad_mask,
+            self.attention.additive_weights(), self.rnn.all_weights, sampling,
+        )  # fmt: skip
+        if fused is not None:
+            outs, contexts, inputs = fused  # (T, B, D), (T, B, D), (B, T)
             assert inputs is not None
             embs = self.tgt_embed(inputs)  # (B, T, E)
             embs = embs * emb_scale if emb_scale is not None else embs

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from attnmt.config import TeacherForcingConfig
+from attnmt.config import Config, TeacherForcingConfig
 
 
 def inverse_sqrt_lr(step: int, peak_lr: float, warmup_steps: int) -> float:
@@ -65,3 +65,25 @@ def teacher_forcing_ratio(step: int, cfg: TeacherForcingConfig) -> float:
     if cfg.schedule == "exponential":
         return cfg.start * (cfg.end / cfg.start) ** p
     return cfg.end + (cfg.start - cfg.end) * _inverse_sigmoid_shape(p)
+
+
+def learning_rate(
+    step: int, cfg: Config, plateau_scale: float, budget: tuple[float, float] = (0.0, 0.0)
+) -> float:
+    """The lr of training step `step`; `budget`: the shares of train.time_budget spent, now
+    and when warmup ended (lr_schedule budget)."""
+    t = cfg.train
+    if t.lr_schedule == "budget":
+        return budget_lr(step, t.lr, t.warmup_steps, *budget)
+    if t.lr_schedule == "inverse_sqrt":
+        return max(inverse_sqrt_lr(step, t.lr, t.warmup_steps), t.min_lr)
+    return max(warmup_lr(step, t.lr, t.warmup_steps) * plateau_scale, t.min_lr)
+
+
+def step_schedules(
+    step: int, cfg: Config, plateau_scale: float, budget: tuple[float, float] = (0.0, 0.0)
+) -> tuple[float, float]:
+    """Learning rate and teacher-forcing ratio of training step `step` (counting from 1)."""
+    return learning_rate(step, cfg, plateau_scale, budget), teacher_forcing_ratio(
+        step, cfg.train.teacher_forcing
+    )

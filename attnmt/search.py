@@ -1,40 +1,117 @@
-"""Greedy and batched beam search over any model with the seq2seq interface.
+"""Decoding: greedy search, batched beam search and sampling over any model with the seq2seq
+interface, behind one entry, `decode(model, src, src_pad_mask, options)`, that dispatches on
+the method's type (Greedy, Beam, Sampling).
 
-Both decode a whole batch at once and drop finished sentences from the active set, so a step
-costs in proportion to the sentences still being decoded. Beam search advances every beam of
-every sentence as one (sentences × beam) tensor.
+All of them decode a whole batch at once and drop finished sentences from the active set, so a
+step costs in proportion to the sentences still being decoded. Beam search advances every beam
+of every sentence as one (sentences × beam) tensor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from attnmt.config import DecodeConfig
+from attnmt.kernels import argmax_rows, topk_rows
 from attnmt.seq2seq import AttentionSpec, Seq2Seq
 
 
 @dataclass(frozen=True)
-class SearchOptions:
-    """How to search; built from the config's decode section by evaluate.search_options."""
+class Greedy:
+    """The likeliest token at every step (what beam size 1 means)."""
 
-    beam: int = 1  # 1: greedy search
-    length_penalty: float = 1.0  # GNMT alpha (beam search)
+    n_best = 1
+
+
+@dataclass(frozen=True)
+class Beam:
+    """Beam search with `size` beams per sentence; finished hypotheses ranked by
+    log-probability / GNMT length penalty (alpha = length_penalty); n_best (<= size) of them."""
+
+    size: int = 5
+    length_penalty: float = 1.0
+    n_best: int = 1
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """n_best draws per sentence from the model's distribution softened by temperature and
+    cut to the top_k tokens (0: all), from a generator seeded with seed."""
+
+    n_best: int = 1
+    temperature: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+
+Method = Greedy | Beam | Sampling
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """How to decode: the method and what every method shares (built from a config's decode
+    section by search_options)."""
+
+    method: Method = field(default_factory=Greedy)
     max_len_a: float = 1.5  # output limit a * source length + b, at most max_output_len
     max_len_b: int = 10
     max_output_len: int = 1500
     max_src_len: int = 1000  # source subwords per line (EOS included); translate cuts the rest
-    n_best: int = 1  # hypotheses per sentence (beam search; <= beam)
     attention: AttentionSpec | None = None  # return this attention per hypothesis
     # Greedy search only (beam search needs them): compute Hypothesis.score, else NaN.
     scores: bool = True
-    # Sampling instead of search: n_best draws per sentence from the model's distribution
-    # softened by temperature and cut to the top_k tokens (0: all), from a seeded generator.
-    sampling: bool = False
-    temperature: float = 1.0
-    top_k: int = 0
-    seed: int = 0
+
+    @property
+    def n_best(self) -> int:
+        """Hypotheses per sentence."""
+        return self.method.n_best
+
+
+def search_options(
+    cfg: DecodeConfig,
+    *,
+    beam: int | None = None,
+    length_penalty: float | None = None,
+    n_best: int = 1,
+    attention: AttentionSpec | None = None,
+    sampling: tuple[float, int, int] | None = None,
+) -> SearchOptions:
+    """The one place SearchOptions are built: a config's decode section, with beam and length
+    penalty overridable (flags, train.eval_beam); beam 1 is greedy search. Scores are computed
+    only for n-best lists, the one output that shows them. `sampling`: (temperature, top_k,
+    seed) to sample n_best draws instead."""
+    beam = cfg.beam if beam is None else beam
+    alpha = cfg.length_penalty if length_penalty is None else length_penalty
+    method: Method
+    if sampling is not None:
+        method = Sampling(n_best, *sampling)
+    elif beam == 1 and n_best == 1:
+        method = Greedy()
+    else:
+        method = Beam(beam, alpha, n_best)
+    return SearchOptions(
+        method, cfg.max_len_a, cfg.max_len_b, cfg.max_output_len, cfg.max_src_len, attention,
+        scores=n_best > 1,
+    )  # fmt: skip
+
+
+def decode(
+    model: Seq2Seq, src: torch.Tensor, src_pad_mask: torch.Tensor, options: SearchOptions
+) -> list[list[Hypothesis]]:
+    """Decode a batch: for each sentence, options.n_best hypotheses (best first).
+
+    Args:
+        src: (B, S) source ids, EOS included; src_pad_mask: (B, S) bool, True at padding.
+    """
+    method = options.method
+    if isinstance(method, Beam):
+        return beam_search(model, src, src_pad_mask, options)
+    if isinstance(method, Sampling):
+        return sample(model, src, src_pad_mask, options)
+    return [[h] for h in greedy_search(model, src, src_pad_mask, options)]
 
 
 @dataclass
@@ -57,47 +134,6 @@ def length_penalty(length: int | torch.Tensor, alpha: float) -> float | torch.Te
     """GNMT length penalty ((5 + length) / 6) ** alpha (Wu et al. 2016,
     https://arxiv.org/abs/1609.08144, eq. 14); alpha = 0 scores by raw log-probability."""
     return ((5 + length) / 6) ** alpha
-
-
-def _block_size(length: int) -> int | None:
-    """A block length in [17, 64] that divides `length`, preferring 64; None if there is none."""
-    return next((b for b in range(64, 16, -1) if length % b == 0), None)
-
-
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """x.argmax(dim=1) for a (n, L) tensor, the same index (first maximum) but faster on CPU.
-
-    torch's max-with-index reductions are not vectorised on CPU (0.9 ms for 64 × 8,000
-    floats on 2 threads, where amax takes 0.1): the maxima of blocks come from amax, the
-    first block holding the row maximum from a small argmax, and the index from an argmax
-    inside that block.
-    """
-    n, L = x.shape
-    b = _block_size(L)
-    if b is None or x.device.type != "cpu":
-        return x.argmax(dim=1)
-    blocks = x.view(n, L // b, b)  # (n, nb, b)
-    first = blocks.amax(dim=2).argmax(dim=1)  # (n,) the first block holding the maximum
-    rows = torch.arange(n, device=x.device)
-    return first * b + blocks[rows, first].argmax(dim=1)  # (n,)
-
-
-def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x.topk(k, dim=1) for a (n, L) tensor: the same values, largest first, and the same
-    indices unless values tie; several times faster on CPU for k much smaller than L.
-
-    The top k elements of a row lie in the k blocks with the largest maxima (were one in
-    another block, those k blocks' maxima would be k larger elements), so topk runs over
-    the block maxima (from the vectorised amax) and then over those k blocks only.
-    """
-    n, L = x.shape
-    b = _block_size(L)
-    if b is None or L // b <= k or x.device.type != "cpu":
-        return x.topk(k, dim=1)
-    blocks = x.view(n, L // b, b).amax(dim=2).topk(k, dim=1).indices  # (n, k)
-    idx = (blocks.unsqueeze(2) * b + torch.arange(b, device=x.device)).view(n, k * b)
-    values, j = x.gather(1, idx).topk(k, dim=1)  # (n, k)
-    return values, idx.gather(1, j)
 
 
 # Greedy search drops finished sentences from the batch once this share of its rows has
@@ -177,13 +213,15 @@ def sample(
     """options.n_best draws per sentence, token by token from softmax(logits / temperature)
     over the top_k tokens (ancestral sampling, for back-translation: Edunov et al. 2018,
     https://arxiv.org/abs/1808.09381). Scores are the model's own log-probabilities."""
-    k = options.n_best
-    generator = torch.Generator(device=src.device).manual_seed(options.seed)
+    method = options.method
+    assert isinstance(method, Sampling)
+    k = method.n_best
+    generator = torch.Generator(device=src.device).manual_seed(method.seed)
 
     def draw(logits: torch.Tensor) -> torch.Tensor:  # (B_r, V) -> (B_r,)
-        logits = logits.float() / options.temperature
-        if 0 < options.top_k < logits.size(1):
-            kth = logits.topk(options.top_k, dim=1).values[:, -1:]  # (B_r, 1)
+        logits = logits.float() / method.temperature
+        if 0 < method.top_k < logits.size(1):
+            kth = logits.topk(method.top_k, dim=1).values[:, -1:]  # (B_r, 1)
             logits = logits.masked_fill(logits < kth, -torch.inf)
         probs = torch.softmax(logits, dim=1)
         return torch.multinomial(probs, 1, generator=generator).squeeze(1)
@@ -213,7 +251,9 @@ def beam_search(
     Returns:
         For each sentence, its n_best hypotheses: the 1-best first, then by score (_Finished).
     """
-    K, n_best, alpha = options.beam, options.n_best, options.length_penalty
+    method = options.method
+    assert isinstance(method, Beam)
+    K, n_best, alpha = method.size, method.n_best, method.length_penalty
     attention = options.attention
     assert 1 <= n_best <= K
     B, device = src.size(0), src.device

@@ -13,33 +13,24 @@ would have taken (on CPU its weights are byte-identical).
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
-import random
 import signal
-import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-import numpy as np
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from tqdm import tqdm
 
 from attnmt import distributed
 from attnmt.board import Board
 from attnmt.checkpoint import (
     BEST_FILE,
-    CONFIG_FILE,
     LAST_FILE,
-    LOG_JSONL,
-    LOG_TEXT,
     STATE_FORMAT_VERSION,
     CheckpointRecord,
     average_checkpoints,
@@ -51,215 +42,39 @@ from attnmt.checkpoint import (
     resolve_weights,
     save_checkpoint,
     save_weights,
-    write_run_files,
 )
-from attnmt.config import Config, from_dict, read_yaml
-from attnmt.data import BucketSampler, ParallelText, collate, read_split_text
-from attnmt.errors import (
-    CheckpointError,
-    ConfigError,
-    DataError,
-    TrainingError,
-    TrainingInterrupted,
-)
-from attnmt.evaluate import score, search_options, translate_lines
-from attnmt.finetune import inherit
-from attnmt.kernels import (
-    CPU_MATMUL_INSTRUCTIONS,
+from attnmt.config import Config
+from attnmt.data import BucketSampler, ParallelText, collate, read_test_set
+from attnmt.device import (
     PRECISION_DTYPES,
-    cpu_matmul_hardware,
     limit_onednn_kernel_cache,
-    matmul_backend,
+    memory_bytes,
+    missing_hardware,
+    resolve_device,
+    resolve_precision,
 )
+from attnmt.errors import CheckpointError, ConfigError, TrainingError, TrainingInterrupted
+from attnmt.evaluate import score, score_translations, translate_lines
+from attnmt.finetune import inherit
+from attnmt.kernels import mask_threads, matmul_backend
 from attnmt.kernels.matmul import active as active_backend
 from attnmt.model import build_model
-from attnmt.processes import run_in_child
-from attnmt.schedules import budget_lr, inverse_sqrt_lr, teacher_forcing_ratio, warmup_lr
+from attnmt.prepare import EncodedSplit, prepare_data
+from attnmt.resume import Progress, rng_state, seed_everything, set_rng_state
+from attnmt.runlog import (
+    METRIC_NAMES,
+    ProgressBar,
+    RunLog,
+    StepResult,
+    Throughput,
+    ThroughputMeter,
+    log_corpora,
+)
+from attnmt.schedules import step_schedules
+from attnmt.search import search_options
 from attnmt.seq2seq import Seq2Seq
-from attnmt.store import (
-    STORE_DIR,
-    TokenStore,
-    build_store,
-    check_fingerprint,
-    default_workers,
-    open_store,
-)
+from attnmt.store import TokenStore
 from attnmt.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
-
-# Keys that may change between a run and its resumption: they do not change what a step computes
-# (device and threads only up to floating-point rounding).
-RESUMABLE_KEYS = (
-    "train.max_steps",
-    "train.max_epochs",
-    "train.patience",
-    "train.device",
-    "train.threads",
-    "train.matmul",
-    "train.compile",
-    "train.log_every",
-    "train.keep_best",
-    "train.keep_last",
-    "train.average_last",
-    "train.log_samples",
-    "train.tensorboard",
-    "train.time_budget",
-    "train.max_bad_steps",
-    "train.eval_batch_tokens",
-    "data.workers",
-    "decode.",
-)
-
-
-METRIC_NAMES = {"bleu": "BLEU", "chrf": "chrF", "loss": "loss"}
-
-
-def resolve_device(name: str) -> torch.device:
-    """'auto' picks CUDA when present; asking for CUDA without one is a config error."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device = 'cuda': no CUDA device is available (use auto or cpu)")
-    return torch.device(name)
-
-
-class RunLog:
-    """Human-readable lines on stderr and in train.log; the same events as JSON lines."""
-
-    def __init__(self, out: Path, quiet: bool = False, enabled: bool = True) -> None:
-        """enabled=False (ranks other than 0 of a multi-process run) logs nothing."""
-        self.enabled = enabled
-        self.quiet = quiet
-        self.board: Board | None = None  # TensorBoard, once setup opened it
-        if enabled:
-            self.text = open(out / LOG_TEXT, "a", encoding="utf-8")  # noqa: SIM115 (see close)
-            self.jsonl = open(out / LOG_JSONL, "a", encoding="utf-8")  # noqa: SIM115
-
-    def event(self, kind: str, line: str | None = None, echo: bool = True, **fields: Any) -> None:
-        """Log one event; `line` also goes to train.log and (echo, unless quiet) stderr."""
-        if not self.enabled:
-            return
-        self.jsonl.write(json.dumps({"event": kind, **fields}) + "\n")
-        self.jsonl.flush()
-        if self.board is not None:
-            self.board.event(kind, fields)
-        if line is not None:
-            self.text.write(line + "\n")
-            self.text.flush()
-            if echo and not self.quiet:
-                tqdm.write(line, file=sys.stderr)
-
-    def close(self) -> None:
-        """Close the log files (closing twice is harmless)."""
-        if self.enabled:
-            self.text.close()
-            self.jsonl.close()
-        if self.board is not None:
-            self.board.close()
-
-
-@dataclass
-class EncodedSplit:
-    """A small split (dev) encoded in memory."""
-
-    src: list[list[int]]
-    tgt: list[list[int]]
-
-
-def encode_split(text: ParallelText, tokenizer: Tokenizer) -> EncodedSplit:
-    return EncodedSplit(tokenizer.src.encode(text.src), tokenizer.tgt.encode(text.tgt))
-
-
-@dataclass
-class Progress:
-    """Counters that decide what training does next; saved in every checkpoint."""
-
-    step: int = 0
-    epoch: int = 1
-    batch_in_epoch: int = 0  # batches of `epoch` already consumed (trained on or skipped)
-    best_score: float = -math.inf  # of train.early_stopping's metric, higher is better
-    bad_validations: int = 0  # validations since the last improvement (early stopping)
-    plateau_scale: float = 1.0
-    plateau_bad: int = 0
-    bad_steps_in_a_row: int = 0
-    skipped_steps: int = 0
-    last_validated: int = -1
-    elapsed_s: float = 0.0
-    validation_s: float = 0.0  # the longest validation: what a time budget keeps for the last
-    warmup_used: float = 0.0  # lr_schedule budget: the share of the budget spent by warmup's end
-    checkpoints: list[list[Any]] = field(default_factory=list)  # [step, dev score or None]
-
-    @classmethod
-    def from_state(cls, state: dict[str, Any]) -> Progress:
-        """From a checkpoint's saved counters (older ones named best_score best_bleu)."""
-        state = dict(state)
-        if "best_bleu" in state:
-            state["best_score"] = state.pop("best_bleu")
-        return cls(**state)
-
-
-def learning_rate(
-    step: int, cfg: Config, plateau_scale: float, budget: tuple[float, float] = (0.0, 0.0)
-) -> float:
-    """The lr of training step `step`; `budget`: the shares of train.time_budget spent, now
-    and when warmup ended (lr_schedule budget)."""
-    t = cfg.train
-    if t.lr_schedule == "budget":
-        return budget_lr(step, t.lr, t.warmup_steps, *budget)
-    if t.lr_schedule == "inverse_sqrt":
-        return max(inverse_sqrt_lr(step, t.lr, t.warmup_steps), t.min_lr)
-    return max(warmup_lr(step, t.lr, t.warmup_steps) * plateau_scale, t.min_lr)
-
-
-def rng_state(tf_generator: torch.Generator) -> dict[str, Any]:
-    """Every RNG a step can draw from, as plain tensors and numbers."""
-    np_state = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": {
-            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
-            "pos": int(np_state[2]),
-            "has_gauss": int(np_state[3]),
-            "cached_gaussian": float(np_state[4]),
-        },
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "teacher_forcing": tf_generator.get_state(),
-    }
-
-
-def set_rng_state(state: dict[str, Any], tf_generator: torch.Generator) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    n = state["numpy"]
-    np.random.set_state(
-        ("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-         n["cached_gaussian"])
-    )  # fmt: skip
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    tf_generator.set_state(state["teacher_forcing"])
-
-
-def check_resumable(saved: Config, new: Config) -> None:
-    """Refuse to resume with a config that would compute different steps."""
-
-    def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            if isinstance(v, dict):
-                out.update(flat(v, f"{prefix}{k}."))
-            else:
-                out[f"{prefix}{k}"] = v
-        return out
-
-    a, b = flat(saved.model_dump(mode="json")), flat(new.model_dump(mode="json"))
-    for key in sorted(set(a) | set(b)):
-        if a.get(key) != b.get(key) and not key.startswith(RESUMABLE_KEYS):
-            raise ConfigError(
-                f"--resume: '{key}' = {b.get(key)!r} differs from the run's {a.get(key)!r}; "
-                f"only {', '.join(k.rstrip('.') for k in RESUMABLE_KEYS)} may change on resume"
-            )
 
 
 def all_finite(model: Seq2Seq) -> bool:
@@ -383,7 +198,7 @@ def train_loop(run: Run) -> dict[str, Any]:
     meter = ThroughputMeter()
     bar = ProgressBar(t.max_steps, p.step, enabled=not run.log.quiet and ranks.is_main)
     stop_reason = "max_steps" if p.step >= t.max_steps else None
-    with StopSignals() as signals:
+    with StopSignals() as signals, mask_threads(torch.get_num_threads()):
         while stop_reason is None and p.epoch <= t.max_epochs:
             batches = run.sampler.epoch(p.epoch)
             # One step takes one batch per rank; a remainder too small for every rank is left.
@@ -492,126 +307,6 @@ def setup(
     return run
 
 
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """train.precision as trained: `auto` is bf16 where the device multiplies bf16 natively (a
-    CUDA GPU that supports it; a CPU with AMX or AVX512-BF16), fp32 elsewhere."""
-    if precision != "auto":
-        return precision
-    if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
-    return "bf16" if device.type == "cpu" and cpu_matmul_hardware("bf16") else "fp32"
-
-
-def seed_everything(seed: int) -> torch.Generator:
-    """Seed Python's, NumPy's and torch's generators; returns scheduled sampling's own
-    generator, so that its coin flips are reproducible apart from dropout's draws."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    return torch.Generator().manual_seed(seed + 1)
-
-
-def prepare_data(
-    cfg: Config, out: Path, ranks: distributed.Ranks, resuming: bool, log: RunLog
-) -> tuple[Tokenizer, TokenStore, EncodedSplit, ParallelText]:
-    """Train the tokenizer on the training files read as a stream (rank 0; loaded when
-    resuming), write the run files, encode the training pairs into the memory-mapped store
-    (rank 0; reused by --resume after checking that the files did not change; the other ranks
-    map it), and read and encode the dev set."""
-    data = cfg.data
-    files = [f for split in (*data.corpora, data.dev) for f in split.files]
-    dev_text = read_split_text(data.dev)
-    if not dev_text.src:
-        raise DataError(f"{data.dev.name}: no sentence pairs with text on both sides")
-    if resuming:
-        check_resumable(from_dict(read_yaml(out / CONFIG_FILE)), cfg)
-    if ranks.is_main:
-        tokenizer = make_tokenizer(cfg, out, resuming)
-        write_run_files(out, cfg, tokenizer)  # on resume: the config's resumable changes
-        ensure_store(cfg, out, tokenizer, resuming, files)
-    ranks.barrier()  # the tokenizer and the store are complete before the others read them
-    if not ranks.is_main:
-        tokenizer = Tokenizer.load(out, cfg.tokenizer.joint)
-    store = open_store(out)
-    assert store is not None
-    log_data(log, store, dev_text, tokenizer)
-    return tokenizer, store, encode_split(dev_text, tokenizer), dev_text
-
-
-def make_tokenizer(cfg: Config, out: Path, resuming: bool) -> Tokenizer:
-    """The run's own (resuming), the fine-tuned model's (train.init_from), the given one
-    (tokenizer.model), or a new one trained on a sample of the training data."""
-    joint = cfg.tokenizer.joint
-    if resuming:
-        return Tokenizer.load(out, joint)
-    if cfg.train.init_from is not None:
-        return Tokenizer.load(cfg.train.init_from, joint)
-    if cfg.tokenizer.given is not None:
-        return Tokenizer.from_files(cfg.tokenizer.given)
-    return Tokenizer.train_on_files(cfg.data.corpora, cfg.tokenizer, cfg.train.seed)
-
-
-def ensure_store(
-    cfg: Config, out: Path, tokenizer: Tokenizer, resuming: bool, files: list[Path]
-) -> None:
-    """Reuse the encoded store when resuming (refused if a file in `files` changed), else
-    build it, in a child process: what streaming the corpus leaves in Python's allocator goes
-    with it, and Ctrl-C does not wait for the encoding workers."""
-    if resuming and open_store(out) is not None:
-        check_fingerprint(out / STORE_DIR, files)
-        return
-    data = cfg.data
-    protos = (tokenizer.src.proto, tokenizer.tgt.proto)
-    workers = data.workers or default_workers()
-
-    def encode() -> bytes:
-        build_store(out, list(data.corpora), protos, data.max_len, workers, files)
-        return b""
-
-    run_in_child(encode)
-
-
-def log_corpora(log: RunLog, cfg: Config, sampler: BucketSampler) -> None:
-    """The `corpora` event: each training corpus's pairs, weight and share of an epoch."""
-    shares = sampler.shares()
-    total = max(1, sum(shares))
-    rows = [
-        {"corpus": str(c.name), "pairs": n, "weight": c.weight, "per_epoch": k, "share": k / total}
-        for c, n, k in zip(cfg.data.corpora, sampler.corpus_pairs, shares, strict=True)
-    ]
-    log.event(
-        "corpora",
-        "corpora: " + "; ".join(
-            f"{Path(r['corpus']).name}: {r['pairs']:,} pairs, weight {r['weight']:g}, "
-            f"{100 * r['share']:.1f} % of an epoch" for r in rows
-        ),
-        corpora=rows,
-    )  # fmt: skip
-
-
-def log_data(log: RunLog, store: TokenStore, dev_text: ParallelText, tokenizer: Tokenizer) -> None:
-    """The `data` event: pair counts of both splits, what was skipped, the vocabularies."""
-    meta, joint = store.meta, " (joint)" if tokenizer.joint else ""
-    if not len(store):
-        raise DataError(
-            f"every training pair is longer than data.max_len = {meta['max_len']} subwords"
-        )
-    log.event(
-        "data",
-        f"train: {len(store)} pairs ({meta['skipped_empty']} skipped as empty, "
-        f"{meta['skipped_too_long']} longer than {meta['max_len']} subwords) | dev: "
-        f"{len(dev_text.src)} pairs ({dev_text.skipped_empty} skipped as empty) | vocab: "
-        f"{len(tokenizer.src)} src, {len(tokenizer.tgt)} tgt{joint}",
-        train_pairs=len(store),
-        train_skipped_empty=meta["skipped_empty"],
-        train_skipped_too_long=meta["skipped_too_long"],
-        dev_pairs=len(dev_text.src),
-        dev_skipped_empty=dev_text.skipped_empty,
-        src_vocab=len(tokenizer.src),
-        tgt_vocab=len(tokenizer.tgt),
-    )
-
-
 def restore(run: Run, weights_path: Path, state_path: Path) -> None:
     """Load a checkpoint's weights, optimizer, scaler, counters and RNG states into run."""
     state = load_train_state(state_path)
@@ -664,46 +359,17 @@ def log_model(run: Run, resumed: bool) -> None:
         resumed_step=run.progress.step if resumed else None,
         matmul=mm_backend,
     )
-    if device.type == "cpu" and (not fp32_cpu or mm_backend == "onednn"):
-        limit_onednn_kernel_cache()  # before the first step: oneDNN reads it once
-    if device.type == "cpu" and not fp32_cpu and not cpu_matmul_hardware(precision):
+    limit_onednn_kernel_cache(device, precision, mm_backend)  # before the first step
+    if not fp32_cpu and (lacking := missing_hardware(device, precision)) is not None:
         run.log.event(
             "precision",
-            f"train.precision={precision}: this CPU has no {precision} matmul "
-            f"instructions ({CPU_MATMUL_INSTRUCTIONS[precision]}); expect it slower than fp32",
+            f"train.precision={precision}: {lacking}; expect it slower than fp32",
             precision=precision,
             hardware=False,
         )
 
 
 # --- one step ---
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one training step did, summed over the ranks."""
-
-    step: int  # the step's number, counting from 1 (the next one if it was skipped)
-    loss_sum: float  # summed token loss (label-smoothed)
-    tokens: float  # real target tokens
-    positions: float  # source + target positions, padding included
-    real: float  # source + target positions that are not padding
-    lr: float
-    teacher_forcing: float
-    loss_finite: bool
-    grads_finite: bool
-    signalled: bool  # some rank received SIGINT/SIGTERM
-    budget_used: float = 0.0  # the share of train.time_budget spent after the step (0: none)
-
-    @property
-    def updated(self) -> bool:
-        """Whether the optimizer applied the step (loss and gradients finite)."""
-        return self.loss_finite and self.grads_finite
-
-    @property
-    def loss(self) -> float:
-        """Loss per target token."""
-        return self.loss_sum / max(self.tokens, 1.0)
 
 
 def train_step(run: Run, idx: list[int], signalled: bool) -> StepResult:
@@ -754,15 +420,6 @@ def train_step(run: Run, idx: list[int], signalled: bool) -> StepResult:
     )  # fmt: skip
 
 
-def step_schedules(
-    step: int, cfg: Config, plateau_scale: float, budget: tuple[float, float] = (0.0, 0.0)
-) -> tuple[float, float]:
-    """Learning rate and teacher-forcing ratio of training step `step` (counting from 1)."""
-    return learning_rate(step, cfg, plateau_scale, budget), teacher_forcing_ratio(
-        step, cfg.train.teacher_forcing
-    )
-
-
 def skip_step(run: Run, result: StepResult) -> None:
     """Account for a step whose update was skipped: an fp16 overflow (the scaler lowered its
     scale; not a bad step), or a non-finite loss or gradient, which ends training after
@@ -789,71 +446,6 @@ def skip_step(run: Run, result: StepResult) -> None:
 
 
 # --- watching: throughput, progress bar, log ---
-
-
-@dataclass
-class Throughput:
-    tokens_per_s: float
-    tokens: int
-    seconds: float
-    padding: float  # share of padded source + target positions
-
-
-class ThroughputMeter:
-    """Target tokens per second and padding over the steps since the last `take`."""
-
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
-        self.clock = clock
-        self._reset(clock())
-
-    def _reset(self, now: float) -> None:
-        self.start, self.tokens, self.positions, self.real = now, 0, 0.0, 0.0
-
-    def add(self, result: StepResult) -> None:
-        self.tokens += int(result.tokens)
-        self.positions += result.positions
-        self.real += result.real
-
-    def take(self) -> Throughput:
-        """The window's figures; starts a new window."""
-        now = self.clock()
-        seconds = now - self.start
-        out = Throughput(
-            self.tokens / max(seconds, 1e-9),
-            self.tokens,
-            seconds,
-            1.0 - self.real / max(self.positions, 1.0),
-        )
-        self._reset(now)
-        return out
-
-
-class ProgressBar:
-    """tqdm's bar on stderr, its loss, lr, tokens/s and teacher forcing refreshed at most once
-    a second (and at the first step), from the steps since the last refresh."""
-
-    def __init__(self, total: int, initial: int, enabled: bool) -> None:
-        self.bar = tqdm(
-            total=total, initial=initial, desc="train", unit="step", disable=not enabled or None,
-            file=sys.stderr,
-        )  # fmt: skip
-        self.meter = ThroughputMeter(time.monotonic)
-        self.fresh = True
-
-    def update(self, result: StepResult) -> None:
-        self.bar.update(1)
-        self.meter.add(result)
-        if self.fresh or time.monotonic() - self.meter.start >= 1.0:
-            self.fresh = False
-            self.bar.set_postfix(
-                loss=f"{result.loss:.3f}",
-                lr=f"{result.lr:.1e}",
-                tok_s=f"{self.meter.take().tokens_per_s:.0f}",
-                tf=f"{result.teacher_forcing:.2f}",
-            )
-
-    def close(self) -> None:
-        self.bar.close()
 
 
 def log_train(run: Run, result: StepResult, window: Throughput) -> None:
@@ -1020,24 +612,27 @@ def average_at_end(run: Run) -> None:
 
 def test_with(run: Run, weights: Path, which: str) -> None:
     """Translate data.test with the weights in `weights` (`which`: best or averaged) and log
-    its BLEU and chrF."""
+    its BLEU and chrF, scored as `attnmt eval` scores it (every line counts)."""
     cfg = run.cfg
     assert cfg.data.test is not None
-    test_text = read_split_text(cfg.data.test)
+    sources, references = read_test_set(cfg.data.test)
     load_weights(run.model, weights, run.device)
-    hyps = translate_lines(
-        run.model, run.tokenizer, test_text.src, search_options(cfg.decode),
-        batch_tokens=cfg.train.eval_batch_tokens, device=run.device,
+    s, _ = score_translations(
+        lambda lines: translate_lines(
+            run.model, run.tokenizer, lines, search_options(cfg.decode),
+            batch_tokens=cfg.train.eval_batch_tokens, device=run.device,
+        ),
+        sources,
+        references,
     )  # fmt: skip
-    s = score(hyps, test_text.tgt)
     run.log.event(
         "test",
         f"test ({cfg.data.test.name.name}, {which} weights, beam {cfg.decode.beam}): "
         f"BLEU {s.bleu:.2f} | chrF {s.chrf:.2f} | {s.bleu_signature}",
-        pairs=len(test_text.src),
+        pairs=len(sources),
         weights=which,
         beam=cfg.decode.beam,
-        skipped_empty=test_text.skipped_empty,
+        empty_sources=sum(not line.strip() for line in sources),
         **s.as_dict(),
     )
 
@@ -1073,11 +668,7 @@ def build_checked_model(cfg: Config, tokenizer: Tokenizer, device: torch.device)
     sizes = (len(tokenizer.src), len(tokenizer.tgt), tokenizer.joint)
     with torch.device("meta"):
         n_params = sum(p.numel() for p in build_model(cfg.model, *sizes).parameters())
-    need = 16 * n_params
-    if device.type == "cuda":
-        have = torch.cuda.mem_get_info(device)[1]
-    else:
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    need, have = 16 * n_params, memory_bytes(device)
     if need > have:
         raise ConfigError(
             f"model: {cfg.model.arch} with hidden_size={cfg.model.hidden_size}, "

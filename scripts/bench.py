@@ -67,9 +67,10 @@ import yaml
 
 from attnmt.checkpoint import load_model_dir
 from attnmt.data import read_lines
-from attnmt.evaluate import SearchOptions, for_decoding, score, translate
-from attnmt.kernels import PRECISION_DTYPES, matmul
-from attnmt.train import resolve_precision
+from attnmt.device import MATMUL_BACKENDS, PRECISION_DTYPES, resolve_precision
+from attnmt.evaluate import for_decoding, score, translate
+from attnmt.kernels import matmul
+from attnmt.search import Beam, Greedy, SearchOptions
 
 
 def bench_decode(args: argparse.Namespace) -> None:
@@ -86,9 +87,8 @@ def decode_models(args: argparse.Namespace, backend: str) -> None:
         model = for_decoding(model, args.precision)
         for beam, workers in ((b, w) for b in args.beams for w in args.workers):
             # As `attnmt translate` does: no scores unless it writes n-best lists.
-            options = SearchOptions(
-                beam=beam, length_penalty=1.0, max_len_a=0.0, max_len_b=args.max_len, scores=False
-            )
+            method = Greedy() if beam == 1 else Beam(beam, length_penalty=1.0)
+            options = SearchOptions(method, max_len_a=0.0, max_len_b=args.max_len, scores=False)
             times, result = [], None
             for _ in range(args.runs):
                 start = time.perf_counter()
@@ -303,7 +303,7 @@ def add_decode_args(d: argparse.ArgumentParser) -> None:
     )
     d.add_argument("--precision", choices=list(PRECISION_DTYPES), default="fp32")
     d.add_argument(
-        "--matmul", choices=list(matmul.BACKENDS), default="auto", help="CPU fp32 matmul library"
+        "--matmul", choices=list(MATMUL_BACKENDS), default="auto", help="CPU fp32 matmul library"
     )
 
 

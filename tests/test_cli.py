@@ -208,10 +208,10 @@ def test_train_translate_eval_end_to_end(tmp_path: Path, corpus, run_cli, arch, 
     assert len(out3.read_text().splitlines()) == 20
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"  # capped, as training does
     # a CPU without 16-bit matmul instructions: it still decodes, and says it may be slow
-    import attnmt.kernels
+    import attnmt.device
 
     with monkeypatch.context() as m:
-        m.setattr(attnmt.kernels, "cpu_matmul_hardware", lambda precision: precision == "fp32")
+        m.setattr(attnmt.device, "cpu_matmul_hardware", lambda precision: precision == "fp32")
         r = run_cli("translate", "-m", str(model), "--precision", "fp16", stdin=b"w1 w2\n")
     assert r.code == 0 and r.stdout.count("\n") == 1, r.stderr
     assert "note: this CPU has no fp16 matmul instructions (AMX-FP16)" in r.stderr

@@ -1,6 +1,7 @@
 import sacrebleu
 
-from attnmt.evaluate import SearchOptions, score, translate_lines
+from attnmt.evaluate import score, translate_lines
+from attnmt.search import SearchOptions
 from attnmt.tokenizer import Tokenizer
 
 from conftest import make_pairs
@@ -23,7 +24,7 @@ def test_translate_lines_one_out_per_line_in_order_whatever_the_batch():
     tok = Tokenizer.train(src, tgt, vocab_size=23, joint=True)
     model = tiny_model("transformer", seed=1).eval()
     lines = [src[0], "", src[1], "   ", src[2], src[3] * 5, src[4]]
-    opts = SearchOptions(beam=1, max_len_a=1.0, max_len_b=4)
+    opts = SearchOptions(max_len_a=1.0, max_len_b=4)
     small = translate_lines(model, tok, lines, opts, batch_tokens=1)
     big = translate_lines(model, tok, lines, opts, batch_tokens=10_000)
     assert len(small) == len(lines)

@@ -8,6 +8,7 @@ from attnmt.kernels.ops import (
     dropout_scale,
     keep_mask,
     linear_cross_entropy,
+    mask_threads,
     relu_dropout_linear,
 )
 
@@ -131,15 +132,11 @@ def test_relu_dropout_linear_equals_the_plain_composition(bias):
 
 
 def test_keep_mask_does_not_depend_on_the_thread_count():
-    threads = torch.get_num_threads()
     masks = []
-    try:
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
+    for n in (1, 2, 3):
+        with mask_threads(n):
             torch.manual_seed(6)
             masks.append(keep_mask((600, 1000), 0.1))  # 3 parts of 2^18 elements
-    finally:
-        torch.set_num_threads(threads)
     assert torch.equal(masks[0], masks[1]) and torch.equal(masks[0], masks[2])
     # The parts are independent streams: no two parts repeat each other.
     flat = masks[0].reshape(-1)

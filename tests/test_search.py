@@ -11,21 +11,29 @@ import torch
 
 from attnmt.checkpoint import load_model_dir
 from attnmt.config import from_dict
+from attnmt.device import PRECISION_DTYPES
 from attnmt.errors import AttnmtError
-from attnmt.evaluate import SearchOptions, for_decoding, translate
-from attnmt.kernels import PRECISION_DTYPES
+from attnmt.evaluate import for_decoding, translate
+from attnmt.kernels import argmax_rows, topk_rows
 from attnmt.search import (
-    argmax_rows,
+    Beam,
+    Greedy,
+    SearchOptions,
     beam_search,
     greedy_search,
     length_penalty,
     max_output_lengths,
-    topk_rows,
 )
 from attnmt.seq2seq import AttentionSpec, Seq2Seq
 from attnmt.train import train
 
 from conftest import make_pairs, tiny_config, write_lines
+
+
+def beam_or_greedy(beam: int, **kwargs) -> Beam | Greedy:
+    """Beam search's options, or greedy search's for beam 1 (as attnmt.search.search_options
+    builds them)."""
+    return Greedy() if beam == 1 else Beam(beam, **kwargs)
 
 
 @pytest.fixture(scope="module", params=["transformer", "rnn"])
@@ -75,10 +83,10 @@ def test_16_bit_decoding_runs_in_that_format(trained, precision):
             model,
             src,
             pad,
-            SearchOptions(beam=beam, length_penalty=1.0, max_len_a=1.5, max_len_b=5),
+            SearchOptions(Beam(beam, length_penalty=1.0), max_len_a=1.5, max_len_b=5),
         )
         got = beam_search(
-            low, src, pad, SearchOptions(beam=beam, length_penalty=1.0, max_len_a=1.5, max_len_b=5)
+            low, src, pad, SearchOptions(Beam(beam, length_penalty=1.0), max_len_a=1.5, max_len_b=5)
         )
         same = sum(r[0].tokens == g[0].tokens for r, g in zip(ref, got, strict=True))
         assert same >= 0.75 * len(ref), (beam, same)
@@ -105,7 +113,7 @@ def test_beam_1_is_greedy(trained):
     model, _, src, pad = trained
     greedy = greedy_search(model, src, pad, SearchOptions(max_len_a=1.5, max_len_b=5))
     beam1 = beam_search(
-        model, src, pad, SearchOptions(beam=1, length_penalty=0.0, max_len_a=1.5, max_len_b=5)
+        model, src, pad, SearchOptions(Beam(1, length_penalty=0.0), max_len_a=1.5, max_len_b=5)
     )
     assert [h.tokens for h in greedy] == [b[0].tokens for b in beam1]
     for g, b in zip(greedy, beam1, strict=True):
@@ -195,7 +203,7 @@ def test_batched_beam_equals_reference(trained, K, alpha):
         model,
         src,
         pad,
-        SearchOptions(beam=K, length_penalty=alpha, max_len_a=1.5, max_len_b=5, n_best=K),
+        SearchOptions(Beam(K, length_penalty=alpha, n_best=K), max_len_a=1.5, max_len_b=5),
     )
     limits = max_output_lengths(pad, SearchOptions(max_len_a=1.5, max_len_b=5))
     for i in range(0, src.size(0), 3):
@@ -233,7 +241,7 @@ def test_same_output_whatever_batch_size_and_order(trained, beam):
     lines, _ = make_pairs(15, 11)
     lines[3] = ""
     lines[7] = " ".join(["w1", "w2"] * 40)  # a long line: translated up to the limit
-    opts = SearchOptions(beam=beam, n_best=beam)
+    opts = SearchOptions(beam_or_greedy(beam, n_best=beam))
     one = translate(model, tok, lines, opts, batch_tokens=1)
     many = translate(model, tok, lines, opts, batch_tokens=10_000, batch_sentences=4)
     rev = translate(model, tok, lines[::-1], opts, batch_tokens=50)[::-1]
@@ -254,15 +262,15 @@ def test_parallel_workers_give_the_same_translations(
 ):
     model, tok, _, _ = trained
     lines, _ = make_pairs(13, 21)
-    opts = SearchOptions(beam=beam, n_best=beam, attention=AttentionSpec())
+    opts = SearchOptions(beam_or_greedy(beam, n_best=beam), attention=AttentionSpec())
     serial = translate(model, tok, lines, opts, batch_tokens=10_000, batch_sentences=2)
-    import attnmt.evaluate as evaluate
+    import attnmt.search as search_module
 
     # Per batch searched: process id, thread name, its intra-op threads (a file, so that
     # forked workers can write it too).
     log = tmp_path / "searches.txt"
     name = "greedy_search" if beam == 1 else "beam_search"
-    search = getattr(evaluate, name)
+    search = getattr(search_module, name)
 
     def recording(*args, **kwargs):
         with log.open("a") as f:
@@ -270,7 +278,7 @@ def test_parallel_workers_give_the_same_translations(
             f.write(f"{os.getpid()} {thread} {torch.get_num_threads()}\n")
         return search(*args, **kwargs)
 
-    monkeypatch.setattr(evaluate, name, recording)
+    monkeypatch.setattr(search_module, name, recording)
     threads = torch.get_num_threads()
     torch.set_num_threads(4)
     try:
@@ -313,7 +321,7 @@ def test_a_worker_process_that_dies_ends_with_one_clear_error(trained, monkeypat
     try:
         with pytest.raises(AttnmtError, match="search worker process ended unexpectedly"):
             translate(
-                model, tok, lines, SearchOptions(beam=1), batch_tokens=10_000,
+                model, tok, lines, SearchOptions(beam_or_greedy(1)), batch_tokens=10_000,
                 batch_sentences=2, workers=2,
             )  # fmt: skip
     finally:
@@ -325,7 +333,11 @@ def test_attention_weights_follow_the_hypothesis(trained):
     lines, _ = make_pairs(4, 12)
     for beam in (1, 3):
         out = translate(
-            model, tok, lines, SearchOptions(beam=beam, attention=AttentionSpec()), batch_tokens=100
+            model,
+            tok,
+            lines,
+            SearchOptions(beam_or_greedy(beam), attention=AttentionSpec()),
+            batch_tokens=100,
         )
         for r in out:
             t = r[0]
@@ -371,7 +383,7 @@ def test_beam_keeps_the_best_hypothesis_on_a_confident_model(K):
     pad = src == 0
     greedy = greedy_search(model, src, pad, SearchOptions(max_len_a=3.0, max_len_b=5))[0]
     best = beam_search(
-        model, src, pad, SearchOptions(beam=K, length_penalty=1.0, max_len_a=3.0, max_len_b=5)
+        model, src, pad, SearchOptions(Beam(K, length_penalty=1.0), max_len_a=3.0, max_len_b=5)
     )[0][0]
     assert greedy.tokens == [5, 6, 7, 8, 9, 10, 11, 5]
     assert best.tokens == greedy.tokens and best.ended
@@ -397,9 +409,9 @@ def test_n_best_lists_start_with_the_1_best(trained, n_best):
     """A longer search for more hypotheses may find one scoring higher; the 1-best answer
     still heads the list, and the others follow by score."""
     model, _, src, pad = trained
-    options = SearchOptions(beam=4, max_len_b=5)
+    options = SearchOptions(Beam(4), max_len_b=5)
     one = beam_search(model, src, pad, options)
-    many = beam_search(model, src, pad, SearchOptions(beam=4, max_len_b=5, n_best=n_best))
+    many = beam_search(model, src, pad, SearchOptions(Beam(4, n_best=n_best), max_len_b=5))
     for a, b in zip(one, many, strict=True):
         assert len(a) == 1 and len(b) == n_best
         assert b[0].tokens == a[0].tokens and b[0].score == pytest.approx(a[0].score, abs=1e-5)

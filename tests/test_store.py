@@ -96,7 +96,7 @@ def test_resume_reuses_the_store_and_refuses_changed_data(tmp_path: Path, corpus
     def never(*args, **kwargs):
         raise AssertionError("--resume encoded the corpus again")
 
-    monkeypatch.setattr("attnmt.train.build_store", never)
+    monkeypatch.setattr("attnmt.prepare.build_store", never)
     train(from_dict(raw), out, resume=True, quiet=True)
     raw["train"]["max_steps"] = 8
     for key, lines in (("train_tgt", 299), ("dev_src", 20)):

@@ -17,11 +17,11 @@ import torch
 import attnmt.train as train_mod
 from attnmt.checkpoint import latest_checkpoint, load_model_dir, load_train_state
 from attnmt.config import from_dict
+from attnmt.device import ONEDNN_CACHE_CAPACITY, cpu_matmul_hardware, resolve_precision
 from attnmt.errors import CheckpointError, ConfigError, TrainingError
-from attnmt.evaluate import SearchOptions, translate_lines
-from attnmt.kernels import cpu_matmul_hardware
-from attnmt.kernels.matmul import ONEDNN_CACHE_CAPACITY
-from attnmt.train import resolve_precision, train
+from attnmt.evaluate import translate_lines
+from attnmt.search import Beam, SearchOptions
+from attnmt.train import train
 from attnmt.transformer import TransformerSeq2Seq
 
 from conftest import tiny_config, write_config
@@ -261,7 +261,7 @@ def test_kill_9_never_breaks_the_model_directory(tmp_path: Path, corpus):
         assert (
             len(
                 translate_lines(
-                    model, tok, ["w1 w2", "", "w3"], SearchOptions(beam=2), batch_tokens=100
+                    model, tok, ["w1 w2", "", "w3"], SearchOptions(Beam(2)), batch_tokens=100
                 )
             )
             == 3
@@ -292,7 +292,7 @@ def test_mixed_precision_trains(tmp_path: Path, corpus, monkeypatch, precision):
 def test_low_precision_without_cpu_hardware_is_flagged(
     tmp_path: Path, corpus, monkeypatch, hardware
 ):
-    monkeypatch.setattr("attnmt.train.cpu_matmul_hardware", lambda precision: hardware)
+    monkeypatch.setattr("attnmt.device.cpu_matmul_hardware", lambda precision: hardware)
     raw = config(corpus, max_steps=2, eval_every=2, precision="bf16")
     train(from_dict(raw), tmp_path / "m", quiet=True)
     flagged = [e for e in events(tmp_path / "m") if e["event"] == "precision"]
@@ -305,7 +305,7 @@ def test_low_precision_without_cpu_hardware_is_flagged(
 def test_auto_precision_is_bf16_only_on_native_hardware(
     tmp_path: Path, corpus, monkeypatch, hardware
 ):
-    monkeypatch.setattr("attnmt.train.cpu_matmul_hardware", lambda precision: hardware)
+    monkeypatch.setattr("attnmt.device.cpu_matmul_hardware", lambda precision: hardware)
     raw = config(corpus, max_steps=2, eval_every=2, precision="auto", device="cpu")
     train(from_dict(raw), tmp_path / "m", quiet=True)
     model_event = next(e for e in events(tmp_path / "m") if e["event"] == "model")
@@ -412,36 +412,6 @@ def test_schedules_of_a_step_share_its_number(run):
     lr1, tf1 = train_mod.step_schedules(1, cfg, 1.0)
     assert tf1 == pytest.approx(0.9) and lr1 == pytest.approx(cfg.train.lr / 2)
     assert train_mod.step_schedules(11, cfg, 1.0)[1] == pytest.approx(0.5)
-
-
-def test_throughput_meter_windows():
-    now = [10.0]
-    meter = train_mod.ThroughputMeter(lambda: now[0])
-    result = train_mod.StepResult(1, 5.0, 100, 300, 240, 1e-3, 1.0, True, True, False)
-    meter.add(result)
-    meter.add(result)
-    now[0] = 12.0
-    w = meter.take()
-    assert (w.tokens, w.seconds, w.tokens_per_s) == (200, 2.0, 100.0)
-    assert w.padding == pytest.approx(0.2)
-    now[0] = 13.0
-    assert meter.take().tokens == 0  # a new window
-
-
-def test_progress_bar_refreshes_its_numbers_every_second(monkeypatch):
-    now = [0.0]
-    monkeypatch.setattr(train_mod.time, "monotonic", lambda: now[0])
-    bar = train_mod.ProgressBar(100, 0, enabled=True)
-    shown = []
-    monkeypatch.setattr(bar.bar, "set_postfix", lambda **kw: shown.append(kw["loss"]))
-    for step in range(1, 6):
-        now[0] += 0.4
-        bar.update(
-            train_mod.StepResult(step, step * 100.0, 100, 1, 1, 1e-3, 1.0, True, True, False)
-        )
-    bar.close()
-    # step 1 at once, then whenever a second has passed: steps 4 (1.6 s) and none after yet
-    assert shown == ["1.000", "4.000"]
 
 
 def test_validate_saves_weights_checkpoint_and_logs_the_trained_steps_ratio(run):

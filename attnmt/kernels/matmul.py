@@ -7,16 +7,17 @@ even where they have AVX-512; oneDNN, which torch also ships, chooses kernels by
 oneDNN costs more than one into MKL, so products smaller than ONEDNN_MIN_WORK multiply-adds (a
 decoding step's few-row products) stay with the BLAS. Rates per CPU: docs/benchmarks.md.
 
-The backend is chosen for a block of work with `matmul_backend(name)` (training and
-translation each open one) and restored after it; `linear` and `mm` read it, and fall back to
-the plain ops off the CPU, outside fp32, under autocast and under torch.compile.
+The backend is chosen for a block of work with `matmul_backend(name)` (training and each
+translation call open one, in the thread that runs them) and restored after it; `linear` and
+`mm` read it, and fall back to the plain ops off the CPU, outside fp32, under autocast and
+under torch.compile.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
@@ -25,41 +26,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-BACKENDS = ("auto", "blas", "onednn")
+from attnmt.device import MATMUL_BACKENDS
+
 # Below this many multiply-adds (M * K * N) a product stays with the BLAS: oneDNN's fixed cost
 # per call outweighs its speed (docs/benchmarks.md).
 ONEDNN_MIN_WORK = 1 << 20
-# oneDNN kernels kept for low-precision and oneDNN fp32 CPU matmuls (limit_onednn_kernel_cache).
-ONEDNN_CACHE_CAPACITY = 64
 
-# The number formats a run computes in (train.precision, decode.precision).
-PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# The CPU matmul instructions that cpu_matmul_hardware looks for, as messages name them.
-CPU_MATMUL_INSTRUCTIONS = {"fp32": "", "bf16": "AMX or AVX512-BF16", "fp16": "AMX-FP16"}
-
-_active = "blas"  # inside matmul_backend(): "blas" or "onednn"
-
-
-def cpu_matmul_hardware(precision: str) -> bool:
-    """Whether this CPU has matmul instructions for `precision` ('bf16': AMX or AVX512-BF16;
-    'fp16': AMX-FP16; 'fp32': always). Without them torch emulates the type, far slower than
-    fp32."""
-    checks = {
-        "fp32": (),
-        "bf16": ("_is_amx_tile_supported", "_is_avx512_bf16_supported"),
-        "fp16": ("_is_amx_fp16_supported",),
-    }[precision]
-    if not checks:
-        return True
-    # torch.cpu's probes are private; a torch without them is treated as lacking the hardware.
-    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks)
-
-
-def limit_onednn_kernel_cache() -> None:
-    """Cap oneDNN's cache of compiled kernels (default 1,024, one per shape) before oneDNN first
-    runs: batches come in hundreds of shapes, and the full cache took a bf16 training run from
-    1.7 to 5.6 GiB while a small one ran as fast. A user's own setting wins."""
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
+# Inside matmul_backend(): "blas" or "onednn". A context variable, not a module global: each
+# thread (and asyncio task) sees the backend of its own block, so two Translators with
+# different backends in one process do not switch each other's.
+_active: contextvars.ContextVar[str] = contextvars.ContextVar("attnmt_matmul", default="blas")
 
 
 def prefers_onednn(cpuinfo: str) -> bool:
@@ -88,8 +64,10 @@ def onednn_is_faster() -> bool:
 
 def resolve(name: str) -> str:
     """'auto' -> 'onednn' where onednn_is_faster(), else 'blas'; the others as they are."""
-    if name not in BACKENDS:
-        raise ValueError(f"matmul backend must be one of {', '.join(BACKENDS)}, not {name!r}")
+    if name not in MATMUL_BACKENDS:
+        raise ValueError(
+            f"matmul backend must be one of {', '.join(MATMUL_BACKENDS)}, not {name!r}"
+        )
     if name == "auto":
         return "onednn" if onednn_is_faster() else "blas"
     if name == "onednn" and not torch.backends.mkldnn.is_available():
@@ -101,24 +79,22 @@ def resolve(name: str) -> str:
 def matmul_backend(name: str) -> Iterator[str]:
     """Use `name` (auto | blas | onednn) inside the block, then the previous backend again;
     yields the one in use ('blas' or 'onednn')."""
-    global _active
-    before = _active
-    _active = resolve(name)
+    token = _active.set(resolve(name))
     try:
-        yield _active
+        yield _active.get()
     finally:
-        _active = before
+        _active.reset(token)
 
 
 def active() -> str:
     """The backend in use: 'blas' or 'onednn'."""
-    return _active
+    return _active.get()
 
 
 def use_onednn(x: torch.Tensor, work: int) -> bool:
     """Whether a product of `work` multiply-adds (M * K * N) on operand x goes to oneDNN."""
     return (
-        _active == "onednn"
+        _active.get() == "onednn"
         and work >= ONEDNN_MIN_WORK
         and x.device.type == "cpu"
         and x.dtype == torch.float32

@@ -10,7 +10,10 @@ Their gains on whole training steps: docs/benchmarks.md.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import cast
 
@@ -41,18 +44,26 @@ def _keep_part(out: np.ndarray, seed: int, part: int, threshold: int) -> None:
     np.greater_equal(lanes, threshold, out=out)
 
 
-_pool: tuple[int, ThreadPoolExecutor] | None = None  # (threads, pool)
+# The threads that draw a mask's parts inside mask_threads(); None: the calling thread alone.
+_mask_pool: contextvars.ContextVar[ThreadPoolExecutor | None] = contextvars.ContextVar(
+    "attnmt_mask_pool", default=None
+)
 
 
-def _workers() -> ThreadPoolExecutor:
-    """Threads for mask parts (NumPy releases the GIL), as many as torch's intra-op threads."""
-    global _pool
-    threads = max(1, torch.get_num_threads())
-    if _pool is None or _pool[0] != threads:
-        if _pool is not None:
-            _pool[1].shutdown(wait=False)
-        _pool = (threads, ThreadPoolExecutor(threads, thread_name_prefix="attnmt-mask"))
-    return _pool[1]
+@contextlib.contextmanager
+def mask_threads(threads: int) -> Iterator[None]:
+    """Draw dropout masks' parts on `threads` threads inside the block (NumPy releases the
+    GIL); the pool lives as long as the block. Training opens one for the run with torch's
+    intra-op thread count. The masks do not depend on it."""
+    if threads <= 1:
+        yield
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="attnmt-mask") as pool:
+        token = _mask_pool.set(pool)
+        try:
+            yield
+        finally:
+            _mask_pool.reset(token)
 
 
 def keep_mask(shape: tuple[int, ...], p: float) -> torch.Tensor:
@@ -64,9 +75,9 @@ def keep_mask(shape: tuple[int, ...], p: float) -> torch.Tensor:
     from torch's global generator (seeded by train.seed, saved in checkpoints) seeds NumPy's
     PCG64DXSM for each part of 2^18 elements ([seed, part]: independent streams); each 64-bit
     word gives four uniform 16-bit lanes, one per element, and NumPy's compare writes the float
-    mask directly. Parts run on torch.get_num_threads() threads; the mask depends only on the
-    seed and the shape, not on the thread count. p is rounded to a multiple of 2^-16: 0.1
-    becomes 0.100006.
+    mask directly. Parts run on the threads of mask_threads() where one is open; the mask
+    depends only on the seed and the shape, not on the thread count. p is rounded to a
+    multiple of 2^-16: 0.1 becomes 0.100006.
     """
     numel = math.prod(shape)
     seed = int(torch.randint(0, 2**62, (1,)))
@@ -76,10 +87,12 @@ def keep_mask(shape: tuple[int, ...], p: float) -> torch.Tensor:
         (out[start : start + _PART_LANES], seed, k, threshold)
         for k, start in enumerate(range(0, numel, _PART_LANES))
     ]
-    if len(parts) == 1:
-        _keep_part(*parts[0])
+    pool = _mask_pool.get()
+    if pool is None or len(parts) == 1:
+        for part in parts:
+            _keep_part(*part)
     else:
-        list(_workers().map(lambda args: _keep_part(*args), parts))
+        list(pool.map(lambda args: _keep_part(*args), parts))
     return torch.from_numpy(out).view(shape)
 
 

@@ -24,16 +24,14 @@ torch.nn.GRU's gate layout r, z, n):
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from attnmt.kernels import matmul
-
-if TYPE_CHECKING:
-    from attnmt.attention import AdditiveAttention
 
 Tensor = torch.Tensor
 
@@ -101,9 +99,11 @@ class ScheduledSampling:
     use_gold: Tensor  # (B, T) bool
     emb_scale: Tensor | None  # (B, T, E) dropout scale of the input embeddings; None: off
     pre_scale: Tensor | None  # (B, T, E) dropout scale of the pre-outputs; None: off
-    embed: nn.Embedding  # E
-    pre_output: nn.Linear  # W_o, over [s; c; E y]
+    embed_weight: Tensor  # (V, E) E
+    w_o: Tensor  # (E, 2D + E) W_o, over [s; c; E y]
+    b_o: Tensor  # (E,)
     output_weight: Tensor  # (V, E) W_out
+    pad_id: int  # the embedding row that gets no gradient (nn.Embedding's padding_idx)
 
 
 class _Chooser:
@@ -118,8 +118,8 @@ class _Chooser:
         self.predicted = ~s.use_gold  # (B, T) where input t is a prediction
         self.predicted[:, 0] = False
         self.rows = [self.predicted[:, t].nonzero().squeeze(1) for t in range(s.gold.size(1))]
-        self.w_oT = s.pre_output.weight.detach().t().to(md)  # (2D + E, E)
-        self.b_o = s.pre_output.bias.detach().to(f32)  # (E,)
+        self.w_oT = s.w_o.detach().t().to(md)  # (2D + E, E)
+        self.b_o = s.b_o.detach().to(f32)  # (E,)
         self.w_outT = s.output_weight.detach().t().to(md)  # (E, V)
 
     def feed(self, t: int, s: Tensor, c: Tensor, ge: Tensor, w_ieT: Tensor, b_ih: Tensor) -> None:
@@ -135,7 +135,7 @@ class _Chooser:
             pre = pre * sc.pre_scale[rows, t]
         tokens = _mm(pre, self.w_outT, self.md, self.f32).argmax(dim=-1)  # (b,)
         self.inputs[rows, t + 1] = tokens
-        emb = sc.embed.weight.detach()[tokens].to(self.f32)  # (b, E)
+        emb = sc.embed_weight.detach()[tokens].to(self.f32)  # (b, E)
         if sc.emb_scale is not None:
             emb = emb * sc.emb_scale[rows, t + 1]
         self.embs[rows, t + 1] = emb
@@ -147,8 +147,8 @@ class _Chooser:
         sc, pred = self.s, self.predicted
         d_pred = d_embs if sc.emb_scale is None else d_embs * sc.emb_scale
         tokens = self.inputs[pred]  # (n,)
-        d_rows = d_pred[pred].masked_fill((tokens == sc.embed.padding_idx).unsqueeze(1), 0.0)
-        weight = sc.embed.weight
+        d_rows = d_pred[pred].masked_fill((tokens == sc.pad_id).unsqueeze(1), 0.0)
+        weight = sc.embed_weight
         d_table = torch.zeros_like(weight).index_add_(0, tokens, d_rows.to(weight.dtype))
         return d_embs.masked_fill(pred.unsqueeze(-1), 0.0), d_table
 
@@ -311,25 +311,44 @@ class _GRUAttentionRecurrence(torch.autograd.Function):
         )
 
 
+# Whether the fused recurrences run where they apply; tests switch them off (plain_recurrences)
+# to compare them with autograd's stepping.
+_fused: contextvars.ContextVar[bool] = contextvars.ContextVar("attnmt_fused", default=True)
+
+
+@contextlib.contextmanager
+def plain_recurrences() -> Iterator[None]:
+    """Inside the block the fused recurrences return None, so their callers step through
+    autograd (the form they are tested against)."""
+    token = _fused.set(False)
+    try:
+        yield
+    finally:
+        _fused.reset(token)
+
+
 def gru_attention_recurrence(
     embs: Tensor,
     h0: Tensor,
     proj_keys: Tensor,
     values: Tensor,
     pad_mask: Tensor,
-    attention: AdditiveAttention,
-    gru: nn.GRU,
+    score: tuple[Tensor, Tensor, Tensor] | None,
+    gru_weights: list[list[Tensor]],
     sampling: ScheduledSampling | None = None,
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Run the decoder over T inputs: the GRU outputs s_1..s_T and contexts c_1..c_T.
+) -> tuple[Tensor, Tensor, Tensor | None] | None:
+    """Run the decoder over T inputs: the GRU outputs s_1..s_T and contexts c_1..c_T; None where
+    this does not apply (another attention score, more than one GRU layer, off the CPU's usual
+    path: see plain_recurrences), and the caller steps through autograd instead.
 
     Args:
         embs: (B, T, E) embedded inputs y_0..y_{T-1} (the gold ones, after dropout);
             h0: (B, D) initial state.
         proj_keys: (B, S, A) W_k keys; values: (B, S, D') encoder states; pad_mask: (B, S)
             bool, True at padding.
-        attention: the additive attention (its query and energy layers).
-        gru: a one-layer torch.nn.GRU with input [E y; c] (E + D') and state D.
+        score: the additive attention's (W_q (A, D), b_q (A,), v (1, A)); None for another.
+        gru_weights: torch.nn.GRU.all_weights, [[W_ih, W_hh, b_ih, b_hh]] for one layer with
+            input [E y; c] (E + D') and state D.
         sampling: scheduled sampling: where it says so, an input is the model's own prediction
             from the step before, chosen in the same loop (one recurrence, not a choosing pass
             and a teacher-forced one).
@@ -340,16 +359,17 @@ def gru_attention_recurrence(
     Under autocast the matmuls run in its dtype and everything else in fp32, as in
     kernels.ops.linear_cross_entropy.
     """
-    assert gru.num_layers == 1 and not gru.bidirectional
-    w_q, b_q = attention.query_layer.weight, attention.query_layer.bias
-    embed_w = None if sampling is None else sampling.embed.weight
+    if score is None or len(gru_weights) != 1 or len(gru_weights[0]) != 4 or not _fused.get():
+        return None
+    w_q, b_q, v = score
+    w_ih, w_hh, b_ih, b_hh = gru_weights[0]
+    embed_w = None if sampling is None else sampling.embed_weight
     dev = embs.device.type
     mm_dtype = _autocast_matmul_dtype(dev)
     with torch.autocast(dev, enabled=False):
         found = _GRUAttentionRecurrence.apply(
-            embs, h0, proj_keys, values, pad_mask, w_q, b_q, attention.energy_layer.weight,
-            gru.weight_ih_l0, gru.bias_ih_l0, gru.weight_hh_l0, gru.bias_hh_l0, mm_dtype,
-            embed_w, sampling,
+            embs, h0, proj_keys, values, pad_mask, w_q, b_q, v, w_ih, b_ih, w_hh, b_hh,
+            mm_dtype, embed_w, sampling,
         )  # fmt: skip
     return found[0], found[1], found[2] if sampling is not None else None
 
@@ -446,21 +466,29 @@ class _BiGRURecurrence(torch.autograd.Function):
         )
 
 
-def bigru_recurrence(x: Tensor, keep: Tensor, gru: nn.GRU) -> tuple[Tensor, Tensor]:
-    """A one-layer bidirectional torch.nn.GRU over padded sentences, as it runs over packed ones.
+def bigru_recurrence(
+    x: Tensor, keep: Tensor, gru_weights: list[list[Tensor]]
+) -> tuple[Tensor, Tensor] | None:
+    """A one-layer bidirectional torch.nn.GRU over padded sentences, as it runs over packed
+    ones; None where this does not pay or apply: without gradients (decoding, validation:
+    torch's C++ loop is faster when there is no backward to prepare, 1.45x on test batches),
+    for more layers, or inside plain_recurrences().
 
     Args:
         x: (B, S, E) inputs; keep: (B, S) bool, True at real tokens (a prefix of each row).
-        gru: nn.GRU(E, H, num_layers=1, bidirectional=True, batch_first=True).
+        gru_weights: torch.nn.GRU.all_weights of a bidirectional GRU with bias:
+            [[W_ih, W_hh, b_ih, b_hh] forward, [...] backward] for one layer.
     Returns:
         states (B, S, 2H) (forward ++ backward, 0 at padding) and the final summary (B, 2H):
         the forward state at the last real token ++ the backward state at the first.
     """
-    assert gru.num_layers == 1 and gru.bidirectional
-    w_ih = torch.stack([gru.weight_ih_l0, gru.weight_ih_l0_reverse])  # (2, 3H, E)
-    b_ih = torch.stack([gru.bias_ih_l0, gru.bias_ih_l0_reverse])  # (2, 3H)
-    w_hh = torch.stack([gru.weight_hh_l0, gru.weight_hh_l0_reverse])  # (2, 3H, H)
-    b_hh = torch.stack([gru.bias_hh_l0, gru.bias_hh_l0_reverse])  # (2, 3H)
+    if len(gru_weights) != 2 or not torch.is_grad_enabled() or not _fused.get():
+        return None
+    (f_ih, f_hh, f_bih, f_bhh), (r_ih, r_hh, r_bih, r_bhh) = gru_weights
+    w_ih = torch.stack([f_ih, r_ih])  # (2, 3H, E)
+    b_ih = torch.stack([f_bih, r_bih])  # (2, 3H)
+    w_hh = torch.stack([f_hh, r_hh])  # (2, 3H, H)
+    b_hh = torch.stack([f_bhh, r_bhh])  # (2, 3H)
     dev = x.device.type
     mm_dtype = _autocast_matmul_dtype(dev)
     with torch.autocast(dev, enabled=False):
