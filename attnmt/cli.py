@@ -15,13 +15,11 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from attnmt import __version__
-from attnmt.errors import AttnmtError, DataError, TrainingInterrupted
+from attnmt.errors import AttnmtError, TrainingInterrupted
 from attnmt.files import OutputSink, atomic_write_bytes, check_output_path
 
 if TYPE_CHECKING:
-    from attnmt.api import Translator
     from attnmt.evaluate import Translation
-    from attnmt.seq2seq import AttentionSpec
 
 app = typer.Typer(
     name="attnmt",
@@ -86,37 +84,23 @@ def _main(
 @app.command()
 def train(
     config: Annotated[Path, typer.Option("--config", "-c", help="YAML config file.")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Model directory to create.")] = Path(
-        "model"
-    ),
-    overrides: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--set",
-            metavar="KEY=VALUE",
-            help="Override a config key by dotted path, value parsed as YAML "
-            "(repeatable), e.g. --set train.lr=0.001",
-        ),
-    ] = None,
-    resume: Annotated[
-        bool,
-        typer.Option("--resume", help="Continue the run in --out from its last checkpoint."),
-    ] = False,
-    overwrite: Annotated[
-        bool, typer.Option("--overwrite", help="Replace the run in --out with a new one.")
-    ] = False,
-    quiet: Annotated[
-        bool, typer.Option("--quiet", "-q", help="No progress bar or log lines on stderr.")
-    ] = False,
-    init_from: Annotated[
-        Path | None,
-        typer.Option("--init-from", help="Fine-tune: start from this model directory."),
-    ] = None,
-    time_budget: Annotated[
-        str | None,
-        typer.Option("--time-budget", help="Stop by wall clock, e.g. 30m, 2h, 1h30m, 90s."),
-    ] = None,
-) -> None:
+    out: Annotated[Path, typer.Option(
+        "--out", "-o", help="Model directory to create.")] = Path("model"),
+    overrides: Annotated[list[str] | None, typer.Option(
+        "--set", metavar="KEY=VALUE",
+        help="Override a config key by dotted path, value parsed as YAML (repeatable), "
+        "e.g. --set train.lr=0.001")] = None,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Continue the run in --out from its last checkpoint.")] = False,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace the run in --out with a new one.")] = False,
+    quiet: Annotated[bool, typer.Option(
+        "--quiet", "-q", help="No progress bar or log lines on stderr.")] = False,
+    init_from: Annotated[Path | None, typer.Option(
+        "--init-from", help="Fine-tune: start from this model directory.")] = None,
+    time_budget: Annotated[str | None, typer.Option(
+        "--time-budget", help="Stop by wall clock, e.g. 30m, 2h, 1h30m, 90s.")] = None,
+) -> None:  # fmt: skip
     """Train a SentencePiece model and an encoder-decoder from a YAML config."""
     from attnmt.config import load_config
     from attnmt.train import train as run_training
@@ -135,84 +119,57 @@ def train(
 @app.command()
 def translate(
     model: Annotated[Path, typer.Option("--model", "-m", help="Trained model directory.")],
-    input: Annotated[
-        Path | None, typer.Option("--input", "-i", help="Input file (default: stdin).")
-    ] = None,
-    output: Annotated[
-        Path | None, typer.Option("--output", "-o", help="Output file (default: stdout).")
-    ] = None,
-    beam: Annotated[
-        int | None,
-        typer.Option(
-            "--beam", "-b", min=1, max=100, help="Beam size; 1 = greedy (default: config)."
-        ),
-    ] = None,
-    n_best: Annotated[
-        int,
-        typer.Option(
-            "--n-best",
-            min=1,
-            help="Write the N best hypotheses per input: 'LINE ||| TEXT ||| SCORE'.",
-        ),
-    ] = 1,
-    length_penalty: Annotated[
-        float | None,
-        typer.Option(
-            "--length-penalty", min=0.0, help="GNMT length penalty alpha (default: config)."
-        ),
-    ] = None,
-    batch_tokens: Annotated[
-        int | None,
-        typer.Option("--batch-tokens", min=1, help="Source tokens per batch (default: config)."),
-    ] = None,
-    attention: Annotated[
-        Path | None,
-        typer.Option(
-            "--attention", help="Write each sentence's attention (JSON + PNG) to this directory."
-        ),
-    ] = None,
-    attention_layer: Annotated[
-        int, typer.Option("--attention-layer", help="Transformer: decoder layer (-1 = top).")
-    ] = -1,
-    attention_head: Annotated[
-        int | None,
-        typer.Option(
-            "--attention-head", min=0, help="Transformer: one head (default: mean of heads)."
-        ),
-    ] = None,
-    sampling: Annotated[
-        bool, typer.Option("--sampling", help="Draw translations instead of searching.")
-    ] = False,
-    temperature: Annotated[
-        float, typer.Option("--temperature", min=0.01, max=100.0, help="Sampling temperature.")
-    ] = 1.0,
-    top_k: Annotated[
-        int, typer.Option("--top-k", min=0, help="Sample from the K likeliest tokens (0: all).")
-    ] = 0,
+    input: Annotated[Path | None, typer.Option(
+        "--input", "-i", help="Input file (default: stdin).")] = None,
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", help="Output file (default: stdout).")] = None,
+    beam: Annotated[int | None, typer.Option(
+        "--beam", "-b", min=1, max=100, help="Beam size; 1 = greedy (default: config).")] = None,
+    n_best: Annotated[int, typer.Option(
+        "--n-best", min=1,
+        help="Write the N best hypotheses per input: 'LINE ||| TEXT ||| SCORE'.")] = 1,
+    length_penalty: Annotated[float | None, typer.Option(
+        "--length-penalty", min=0.0, help="GNMT length penalty alpha (default: config).")] = None,
+    batch_tokens: Annotated[int | None, typer.Option(
+        "--batch-tokens", min=1, help="Source tokens per batch (default: config).")] = None,
+    attention: Annotated[Path | None, typer.Option(
+        "--attention",
+        help="Write each sentence's attention (JSON + PNG) to this directory.")] = None,
+    attention_layer: Annotated[int, typer.Option(
+        "--attention-layer", help="Transformer: decoder layer (-1 = top).")] = -1,
+    attention_head: Annotated[int | None, typer.Option(
+        "--attention-head", min=0, help="Transformer: one head (default: mean of heads).")] = None,
+    sampling: Annotated[bool, typer.Option(
+        "--sampling", help="Draw translations instead of searching.")] = False,
+    temperature: Annotated[float, typer.Option(
+        "--temperature", min=0.01, max=100.0, help="Sampling temperature.")] = 1.0,
+    top_k: Annotated[int, typer.Option(
+        "--top-k", min=0, help="Sample from the K likeliest tokens (0: all).")] = 0,
     seed: Annotated[int, typer.Option("--seed", min=0, help="Sampling seed.")] = 0,
     weights: WeightsOption = "best",
     device: DeviceOption = "auto",
     workers: WorkersOption = None,
     precision: PrecisionOption = None,
     matmul: MatmulOption = None,
-) -> None:
+) -> None:  # fmt: skip
     """Translate text, one line in, one line out (beam search, greedy with --beam 1, or
     --sampling: --n-best K draws K per line)."""
     from attnmt.api import Translator
-    from attnmt.data import open_input
+    from attnmt.data import check_input
+    from attnmt.heatmap import AttentionMaps
 
     if output is not None:
         check_output_path(output, "--output")
     source = None if input is None or str(input) == "-" else input
     if source is not None:
-        open_input(source).close()  # a missing or unreadable file fails before the model loads
+        check_input(source)  # a missing or unreadable file fails before the model loads
     if sampling and beam is not None:
         raise AttnmtError("--sampling draws instead of searching: drop --beam")
     translator = Translator.load(model, device, weights, precision, matmul, workers)
     spec = None
     if attention is not None:
         spec = translator.attention_spec(attention_layer, attention_head)
-        _make_dir(attention, "--attention")
+        maps = AttentionMaps(attention, translator.cfg.model, spec)  # creates the directory
     draws = (temperature, top_k, seed) if sampling else None
     options = translator.options(beam, n_best, length_penalty, attention=spec, sampling=draws)
     done = 0  # lines translated so far
@@ -221,8 +178,8 @@ def translate(
     with OutputSink(output) as sink:
         for lines, results in translator.stream(source, options, batch_tokens):
             sink.write(_format(results, n_best, done))
-            if spec is not None and attention is not None:
-                _write_attention_maps(attention, [r[0] for r in results], translator, spec, done)
+            if spec is not None:
+                maps.write([r[0] for r in results], first=done + 1)
             done += len(lines)
 
 
@@ -235,43 +192,14 @@ def _format(results: list[list[Translation]], n_best: int, first: int) -> str:
     )
 
 
-def _make_dir(directory: Path, flag: str) -> None:
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise AttnmtError(f"{flag} {directory}: cannot create it ({e.strerror})") from None
-
-
-def _write_attention_maps(
-    directory: Path, best: list[Translation], translator: Translator, spec: AttentionSpec, done: int
-) -> None:
-    """A JSON file and a heatmap per input line, numbered after the `done` lines before them
-    (the first line is 1)."""
-    from attnmt.heatmap import write_attention_map
-
-    cfg = translator.cfg
-    layer = spec.layer % cfg.model.dec_layers  # -1: the top layer, by its number
-    what = "Bahdanau attention" if cfg.model.arch == "rnn" else (
-        f"cross-attention, layer {layer + 1} of {cfg.model.dec_layers}, "
-        + ("mean of heads" if spec.head is None else f"head {spec.head}")
-    )  # fmt: skip
-    for i, translation in enumerate(best, start=done + 1):
-        write_attention_map(directory, i, translation, f"line {i}: {what}")
-
-
 @app.command()
 def average(
     model: Annotated[Path, typer.Argument(help="Trained model directory.")],
-    last: Annotated[
-        int | None, typer.Option("--last", min=1, help="Average the last N kept checkpoints.")
-    ] = None,
-    best: Annotated[
-        int | None,
-        typer.Option(
-            "--best", min=1, help="Average the N kept checkpoints with the best dev score."
-        ),
-    ] = None,
-) -> None:
+    last: Annotated[int | None, typer.Option(
+        "--last", min=1, help="Average the last N kept checkpoints.")] = None,
+    best: Annotated[int | None, typer.Option(
+        "--best", min=1, help="Average the N kept checkpoints with the best dev score.")] = None,
+) -> None:  # fmt: skip
     """Average checkpoints' weights into DIR/averaged.safetensors (use with --weights averaged)."""
     from attnmt.checkpoint import average_checkpoints
 
@@ -288,18 +216,14 @@ def average(
 def export(
     model: Annotated[Path, typer.Argument(help="Trained model directory (a Transformer).")],
     out: Annotated[Path, typer.Argument(help="Directory to write the exported model to.")],
-    format: Annotated[
-        str, typer.Option("--format", help="Target runtime (ctranslate2).")
-    ] = "ctranslate2",
-    weights: Annotated[
-        str, typer.Option("--weights", help="best, last, averaged, step-N or a file.")
-    ] = "best",
-    quantization: Annotated[
-        str | None,
-        typer.Option("--quantization", help="Store weights as int8, int16, float16, ..."),
-    ] = None,
+    format: Annotated[str, typer.Option(
+        "--format", help="Target runtime (ctranslate2).")] = "ctranslate2",
+    weights: Annotated[str, typer.Option(
+        "--weights", help="best, last, averaged, step-N or a file.")] = "best",
+    quantization: Annotated[str | None, typer.Option(
+        "--quantization", help="Store weights as int8, int16, float16, ...")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace OUT if it exists.")] = False,
-) -> None:
+) -> None:  # fmt: skip
     """Export a Transformer to CTranslate2 (pip install 'attnmt[export]'), tokenizer included."""
     from attnmt.export import export_ctranslate2
 
@@ -314,10 +238,9 @@ def export(
 @app.command()
 def plot(
     models: Annotated[list[Path], typer.Argument(help="Model directories (one or more).")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="PNG file to write.")] = Path(
-        "curves.png"
-    ),
-) -> None:
+    output: Annotated[Path, typer.Option(
+        "--output", "-o", help="PNG file to write.")] = Path("curves.png"),
+) -> None:  # fmt: skip
     """Draw training curves (loss, dev BLEU, lr against steps and minutes) of runs into a PNG."""
     from attnmt.plot import plot_runs
 
@@ -331,24 +254,20 @@ def serve(
     model: Annotated[Path, typer.Option("--model", "-m", help="Trained model directory.")],
     host: Annotated[str, typer.Option("--host", help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port.")] = 8000,
-    max_lines: Annotated[
-        int, typer.Option("--max-lines", min=1, help="Lines per request (more: 413).")
-    ] = 64,
-    max_chars: Annotated[
-        int, typer.Option("--max-chars", min=1, help="Characters per line (more: 413).")
-    ] = 2000,
-    max_queue: Annotated[
-        int, typer.Option("--max-queue", min=1, help="Requests waiting (more: 503).")
-    ] = 256,
-    batch_wait_ms: Annotated[
-        float,
-        typer.Option("--batch-wait-ms", min=0.0, help="How long a request waits for others."),
-    ] = 5.0,
+    max_lines: Annotated[int, typer.Option(
+        "--max-lines", min=1, help="Lines per request (more: 413).")] = 64,
+    max_chars: Annotated[int, typer.Option(
+        "--max-chars", min=1, help="Characters per line (more: 413).")] = 2000,
+    max_queue: Annotated[int, typer.Option(
+        "--max-queue", min=1, help="Requests waiting (more: 503).")] = 256,
+    batch_wait_ms: Annotated[float, typer.Option(
+        "--batch-wait-ms", min=0.0, help="How long a request waits for others.")] = 5.0,
     weights: WeightsOption = "best",
     device: DeviceOption = "auto",
+    workers: WorkersOption = None,
     precision: PrecisionOption = None,
     matmul: MatmulOption = None,
-) -> None:
+) -> None:  # fmt: skip
     """Serve translations over HTTP: POST /translate {"text": [...], "beam": 5}."""
     try:
         import uvicorn
@@ -360,7 +279,7 @@ def serve(
         ) from None
     from attnmt.api import Translator
 
-    translator = Translator.load(model, device, weights, precision, matmul)
+    translator = Translator.load(model, device, weights, precision, matmul, workers)
     limits = Limits(max_lines, max_chars, max_queue, batch_wait_ms)
     app_ = create_app(translator, limits, str(model))
     typer.echo(f"attnmt: serving {model} on http://{host}:{port} (docs: /docs)", err=True)
@@ -370,33 +289,26 @@ def serve(
 @app.command("eval")
 def evaluate(
     ref: Annotated[Path, typer.Option("--ref", "-r", help="Reference translations.")],
-    hyp: Annotated[
-        Path | None, typer.Option("--hyp", help="Translations to score (instead of --model).")
-    ] = None,
-    model: Annotated[
-        Path | None, typer.Option("--model", "-m", help="Model directory to translate --src.")
-    ] = None,
-    src: Annotated[
-        Path | None, typer.Option("--src", "-s", help="Source file, with --model.")
-    ] = None,
-    output: Annotated[
-        Path | None, typer.Option("--output", "-o", help="Also write the translations here.")
-    ] = None,
+    hyp: Annotated[Path | None, typer.Option(
+        "--hyp", help="Translations to score (instead of --model).")] = None,
+    model: Annotated[Path | None, typer.Option(
+        "--model", "-m", help="Model directory to translate --src.")] = None,
+    src: Annotated[Path | None, typer.Option(
+        "--src", "-s", help="Source file, with --model.")] = None,
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", help="Also write the translations here.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
-    beam: Annotated[
-        int | None,
-        typer.Option(
-            "--beam", "-b", min=1, max=100, help="Beam size with --model (default: config)."
-        ),
-    ] = None,
+    beam: Annotated[int | None, typer.Option(
+        "--beam", "-b", min=1, max=100, help="Beam size with --model (default: config).")] = None,
     weights: WeightsOption = "best",
     device: DeviceOption = "auto",
     workers: WorkersOption = None,
     precision: PrecisionOption = None,
     matmul: MatmulOption = None,
-) -> None:
+) -> None:  # fmt: skip
     """Score translations with sacreBLEU (BLEU, chrF); translate --src first if --model is given."""
-    from attnmt.data import read_lines
+    from attnmt.config import SplitConfig
+    from attnmt.data import read_test_set
     from attnmt.evaluate import score
 
     if (hyp is None) == (model is None):
@@ -405,22 +317,16 @@ def evaluate(
         raise AttnmtError("--model needs --src FILE (the source text to translate)")
     if output is not None:
         check_output_path(output, "--output")
+    # Every line counts, an empty one too, as in the `test` event of training.
+    lines, refs = read_test_set(SplitConfig(src=hyp or src, tgt=ref))  # before the model
     if hyp is not None:
-        refs, hyps = read_lines(ref), read_lines(hyp)
-        if len(hyps) != len(refs):
-            raise DataError(
-                f"line counts differ: {hyp} has {len(hyps)} lines, {ref} has {len(refs)}"
-            )
-        s = score(hyps, refs)
+        s = score(lines, refs)
     else:
         from attnmt.api import Translator
-        from attnmt.config import SplitConfig
-        from attnmt.data import read_test_set
 
-        assert model is not None and src is not None
-        sources, references = read_test_set(SplitConfig(src=src, tgt=ref))  # before the model
+        assert model is not None
         translator = Translator.load(model, device, weights, precision, matmul, workers)
-        s, hyps = translator.score_test_set(sources, references, beam)
+        s, hyps = translator.score_test_set(lines, refs, beam)
         if output is not None:
             atomic_write_bytes(output, "".join(h + "\n" for h in hyps).encode("utf-8"))
     if as_json:

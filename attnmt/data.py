@@ -74,11 +74,20 @@ def input_chunks(path: Path | None, size: int = CHUNK_LINES) -> Iterator[list[st
         yield chunk
 
 
-def open_input(path: Path) -> IO[bytes]:
+def check_input(path: Path) -> None:
+    """Fail early, without opening it, if `path` cannot be an input: a pipe or FIFO must be
+    opened once only (a writer that finds its reader gone gets SIGPIPE, and a second open
+    then waits for a writer forever)."""
     if not path.exists():
         raise DataError(f"file not found: {path}")
     if path.is_dir():
         raise DataError(f"not a regular file: {path}")
+    if not os.access(path, os.R_OK):
+        raise DataError(f"cannot read {path}: Permission denied")
+
+
+def open_input(path: Path) -> IO[bytes]:
+    check_input(path)
     try:
         return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
     except OSError as e:

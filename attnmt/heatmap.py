@@ -5,8 +5,33 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from attnmt.config import ModelConfig
+from attnmt.errors import AttnmtError
 from attnmt.evaluate import Translation
 from attnmt.files import atomic_write, atomic_write_bytes
+from attnmt.seq2seq import AttentionSpec
+
+
+class AttentionMaps:
+    """`translate --attention DIR`: a JSON file and a heatmap per input line in DIR, titled
+    with which attention they show."""
+
+    def __init__(self, directory: Path, model: ModelConfig, spec: AttentionSpec) -> None:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise AttnmtError(f"--attention {directory}: cannot create it ({e.strerror})") from None
+        self.directory = directory
+        layer = spec.layer % model.dec_layers  # -1: the top layer, by its number
+        self.what = "Bahdanau attention" if model.arch == "rnn" else (
+            f"cross-attention, layer {layer + 1} of {model.dec_layers}, "
+            + ("mean of heads" if spec.head is None else f"head {spec.head}")
+        )  # fmt: skip
+
+    def write(self, best: list[Translation], first: int) -> None:
+        """The maps of consecutive input lines, numbered from `first` (the first line is 1)."""
+        for i, translation in enumerate(best, start=first):
+            write_attention_map(self.directory, i, translation, f"line {i}: {self.what}")
 
 
 def readable(piece: str) -> str:

@@ -9,7 +9,7 @@ import os
 import pickle
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import connection
 from typing import Any, TypeVar, cast
@@ -98,72 +98,90 @@ def map_batches(
         return [work(item) for item in items]
     threads = max(1, torch.get_num_threads() // workers)
     if threads == 1 and sys.platform == "linux" and torch.device(device).type == "cpu":
-        return _map_in_forked_processes(work, items, workers)
+        return list(imap_forked(work, items, workers, SEARCH_WORKER_DIED))
     with ThreadPoolExecutor(workers, "attnmt-search", torch.set_num_threads, (threads,)) as pool:
         return list(pool.map(work, items))
 
 
-def _map_in_forked_processes(work: Callable[[T], R], items: Sequence[T], workers: int) -> list[R]:
-    """work(item) for every item in `workers` forked processes, which get work and items by
-    memory (nothing big is pickled) and are sent item numbers one at a time through a pipe
-    each; results come back pickled. Any exception, Ctrl-C included, ends them at once: they
-    hold nothing worth waiting for."""
+_END = object()
+SEARCH_WORKER_DIED = (
+    "a search worker process ended unexpectedly (killed, or out of memory?); "
+    "translate with --workers 1 or a smaller --batch-tokens"
+)
+
+
+def imap_forked(work: Callable[[T], R], items: Iterable[T], workers: int, died: str) -> Iterator[R]:
+    """work(item) for each item, in order, computed in `workers` forked processes (Linux);
+    `died`: the error's message if one of them is killed.
+
+    The workers get `work` by memory (a model or a tokenizer is never pickled); items go to
+    them one at a time through a pipe each, results come back pickled. Items are taken from
+    the iterable as workers free up, and at most 2 * workers finished results wait for an
+    earlier one, so memory stays bounded over a stream. Any exception, Ctrl-C included, or
+    closing the iterator ends the workers at once: they hold nothing worth waiting for.
+    """
     context = multiprocessing.get_context("fork")
-    parent, results = os.getpid(), cast(list[R], [None] * len(items))
-    busy: dict[Any, int] = {}  # a worker's end of the pipe -> the item it works on
-    processes, sent, done = [], 0, 0
+    source, parent = iter(items), os.getpid()
+    idle: list[Any] = []  # our ends of the pipes of the workers without an item
+    busy: dict[Any, int] = {}  # our end of a worker's pipe -> the number of its item
+    finished: dict[int, R] = {}  # results that wait for an earlier one
+    processes, sent, given, exhausted = [], 0, 0, False
     try:
-        for _ in range(min(workers, len(items))):
+        for _ in range(workers):
             ours, theirs = context.Pipe()
-            process = context.Process(target=_worker, args=(work, items, theirs, parent))
+            process = context.Process(target=_worker, args=(work, theirs, parent))
             process.start()
             theirs.close()
             processes.append(process)
-            busy[ours], sent = sent, sent + 1
-            ours.send(busy[ours])
-        while done < len(items):
-            for conn in connection.wait(list(busy)):
-                results[busy.pop(conn)] = _result(cast(connection.Connection, conn))
-                done += 1
-                if sent < len(items):
+            idle.append(ours)
+        while True:
+            while idle and not exhausted and len(finished) < 2 * workers:
+                item = next(source, _END)
+                exhausted = item is _END
+                if not exhausted:
+                    conn = idle.pop()
+                    conn.send(item)
                     busy[conn], sent = sent, sent + 1
-                    conn.send(busy[conn])
+            while given in finished:
+                yield finished.pop(given)
+                given += 1
+            if not busy:
+                return
+            for conn in connection.wait(list(busy)):
+                finished[busy.pop(conn)] = _result(cast(connection.Connection, conn), died)
+                idle.append(conn)
     finally:
         for process in processes:
             process.kill()
             process.join()
-    return results
 
 
-def _result(conn: connection.Connection) -> Any:
+def _result(conn: connection.Connection, died: str) -> Any:
     """A forked worker's result for the item it was sent: raised again if it raised."""
     try:
         ok, payload = pickle.loads(conn.recv_bytes())
     except (EOFError, OSError):
-        raise AttnmtError(
-            "a search worker process ended unexpectedly (killed, or out of memory?); "
-            "translate with --workers 1 or a smaller --batch-tokens"
-        ) from None
+        raise AttnmtError(died) from None
     if not ok:
         raise payload
     return payload
 
 
-def _worker(work: Callable[[T], R], items: Sequence[T], conn: Any, parent: int) -> None:
-    """A forked worker: one intra-op thread, Ctrl-C left to the parent; works on each item
-    number it is sent until the parent kills it."""
+def _worker(work: Callable[[T], R], conn: Any, parent: int) -> None:
+    """A forked worker: one intra-op thread, Ctrl-C left to the parent; works on each item it
+    is sent until the parent kills it."""
     die_with_parent(parent)
     torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _keep_freed_memory()
     while True:
-        i = conn.recv()
+        item = conn.recv()
         try:
-            reply = (True, work(items[i]))
+            reply = (True, work(item))
         except AttnmtError as e:
             reply = (False, e)
         except Exception as e:
-            reply = (False, RuntimeError(f"search worker: {type(e).__name__}: {e}"))
+            reply = (False, RuntimeError(f"worker process: {type(e).__name__}: {e}"))
         # Plain pickle, not multiprocessing's: that one would send tensors as shared-memory
         # file descriptors, one per attention map.
         conn.send_bytes(pickle.dumps(reply))

@@ -251,6 +251,8 @@ def beam_search(
     Returns:
         For each sentence, its n_best hypotheses: the 1-best first, then by score (_Finished).
     """
+    # Long: one loop whose four numbered parts share the beams' state (scores, tokens, state,
+    # attention, active sentences); as functions they would pass all of it back and forth.
     method = options.method
     assert isinstance(method, Beam)
     K, n_best, alpha = method.size, method.n_best, method.length_penalty

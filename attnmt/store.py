@@ -16,11 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 import mmap
-import multiprocessing
 import os
 import shutil
 import time
-from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -31,10 +29,14 @@ from attnmt.config import SplitConfig
 from attnmt.data import PairCounts, Ragged, read_split
 from attnmt.errors import DataError
 from attnmt.files import atomic_write_bytes, fsync_dir
+from attnmt.processes import imap_forked
 
 STORE_DIR = "encoded"
 STORE_FORMAT = 1
 CHUNK_PAIRS = 20_000  # pairs a worker encodes at a time
+ENCODING_WORKER_DIED = (
+    "an encoding worker process ended unexpectedly (killed, or out of memory?); lower data.workers"
+)
 
 
 def fingerprint(paths: list[Path]) -> list[dict[str, Any]]:
@@ -75,17 +77,29 @@ def check_fingerprint(store: Path, files: list[Path]) -> None:
 
 # --- encoding in worker processes ---
 
-_VOCABS: tuple[Any, Any] | None = None  # in a worker: the (src, tgt) SentencePiece processors
 
+class _Encoder:
+    """Encodes chunks of pairs in a forked worker (processes.imap_forked), which gets it, and
+    its SentencePiece processors, by memory."""
 
-def _start_worker(src_proto: bytes, tgt_proto: bytes, parent: int) -> None:
-    import sentencepiece as spm
+    def __init__(self, protos: tuple[bytes, bytes], max_len: int, dtype: type) -> None:
+        import sentencepiece as spm
 
-    from attnmt.processes import die_with_parent
+        self.vocabs = [spm.SentencePieceProcessor(model_proto=p) for p in protos]
+        self.max_len, self.dtype = max_len, dtype
 
-    global _VOCABS
-    die_with_parent(parent)
-    _VOCABS = tuple(spm.SentencePieceProcessor(model_proto=p) for p in (src_proto, tgt_proto))
+    def __call__(self, pairs: list[tuple[str, str]]) -> tuple[np.ndarray, ...]:
+        """Encode a chunk of pairs; drop those with a side longer than max_len subwords.
+        Returns (src tokens, src lengths, tgt tokens, tgt lengths) of the kept pairs."""
+        src, src_len = _encode_side([s for s, _ in pairs], self.vocabs[0], self.dtype)
+        tgt, tgt_len = _encode_side([t for _, t in pairs], self.vocabs[1], self.dtype)
+        keep = (src_len <= self.max_len) & (tgt_len <= self.max_len)
+        if keep.all():
+            return src, src_len, tgt, tgt_len
+        return (
+            src[np.repeat(keep, src_len)], src_len[keep], tgt[np.repeat(keep, tgt_len)],
+            tgt_len[keep],
+        )  # fmt: skip
 
 
 def _encode_side(lines: list[str], vocab: Any, dtype: type) -> tuple[np.ndarray, np.ndarray]:
@@ -93,21 +107,6 @@ def _encode_side(lines: list[str], vocab: Any, dtype: type) -> tuple[np.ndarray,
     lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
     flat = np.fromiter((i for seq in ids for i in seq), dtype=dtype, count=int(lengths.sum()))
     return flat, lengths
-
-
-def _encode_chunk(job: tuple[list[tuple[str, str]], int, type]) -> tuple[np.ndarray, ...]:
-    """Encode a chunk of pairs; drop those with a side longer than max_len subwords. Returns
-    (src tokens, src lengths, tgt tokens, tgt lengths) of the kept pairs."""
-    pairs, max_len, dtype = job
-    assert _VOCABS is not None
-    src, src_len = _encode_side([s for s, _ in pairs], _VOCABS[0], dtype)
-    tgt, tgt_len = _encode_side([t for _, t in pairs], _VOCABS[1], dtype)
-    keep = (src_len <= max_len) & (tgt_len <= max_len)
-    if keep.all():
-        return src, src_len, tgt, tgt_len
-    return (
-        src[np.repeat(keep, src_len)], src_len[keep], tgt[np.repeat(keep, tgt_len)], tgt_len[keep]
-    )  # fmt: skip
 
 
 def _chunks(pairs: Iterator[tuple[str, str]], size: int) -> Iterator[list[tuple[str, str]]]:
@@ -168,7 +167,7 @@ def build_store(
     """Encode the training pairs into out/encoded/ (built beside it, renamed when complete)
     and return its metadata, with the fingerprint of the files `fingerprinted` (the training
     files, and any others a resume must find unchanged). Workers are forked processes (a
-    SentencePiece processor each); at most 2 chunks per worker are in flight, so memory stays
+    SentencePiece processor each); chunks are read as workers free up, so memory stays
     bounded."""
     start = time.time()
     store, tmp = out / STORE_DIR, out / f".{STORE_DIR}.tmp"
@@ -178,18 +177,13 @@ def build_store(
     dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
     counts, writer = PairCounts(), _Writer(tmp)
     corpus_pairs = []  # pairs kept per corpus; corpus c's are contiguous, after c - 1's
-    ctx = multiprocessing.get_context("fork")
-    with ctx.Pool(workers, _start_worker, (*protos, os.getpid())) as pool:
-        for split in corpora:
-            before = writer.pairs
-            pending: deque[Any] = deque()
-            for chunk in _chunks(read_split(split, counts), CHUNK_PAIRS):
-                pending.append(pool.apply_async(_encode_chunk, ((chunk, max_len, dtype),)))
-                while len(pending) > 2 * workers or (pending and pending[0].ready()):
-                    writer.add(*pending.popleft().get())
-            while pending:
-                writer.add(*pending.popleft().get())
-            corpus_pairs.append(writer.pairs - before)
+    encoder = _Encoder(protos, max_len, dtype)
+    for split in corpora:
+        before = writer.pairs
+        chunks = _chunks(read_split(split, counts), CHUNK_PAIRS)
+        for encoded in imap_forked(encoder, chunks, workers, ENCODING_WORKER_DIED):
+            writer.add(*encoded)
+        corpus_pairs.append(writer.pairs - before)
     writer.close()
     meta = {
         "format": STORE_FORMAT,

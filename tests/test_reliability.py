@@ -414,6 +414,34 @@ def test_translate_answers_each_line_before_its_input_closes(model: Path):
         proc.stderr.close()
 
 
+def test_translate_answers_each_line_of_a_fifo_before_its_writer_closes(
+    model: Path, tmp_path: Path
+):
+    """The FIFO is opened once: the writer, which starts writing as soon as a reader opens it,
+    never meets a closed reader (SIGPIPE), and each line is answered while it stays open."""
+    import select
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "attnmt", "translate", "-m", str(model), "-i", str(fifo)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        with open(fifo, "wb", buffering=0) as writer:  # blocks until translate opens it
+            for line in (b"w1 w2\n", b"w3\n"):
+                writer.write(line)
+                ready, _, _ = select.select([proc.stdout], [], [], 90)
+                assert ready, "no translation while the FIFO's writer keeps it open"
+                assert proc.stdout.readline().endswith(b"\n")
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+
+
 def test_pipes_are_inputs(model: Path, tmp_path: Path, run_cli):
     import threading
 

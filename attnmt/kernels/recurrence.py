@@ -233,6 +233,9 @@ class _GRUAttentionRecurrence(torch.autograd.Function):
         d_ctxs: Tensor | None,
         *_: Tensor | None,
     ) -> tuple[Tensor | None, ...]:
+        # Long: the backward loop mirrors forward's step by step, and the weight gradients at the
+        # end are single matmuls over the buffers that loop fills; split, they would pass a
+        # dozen tensors between the parts.
         embs, h0, values, w_q, v, w_ih, w_hh, outs, ctxs, es, alphas = ctx.saved_tensors  # type: ignore[attr-defined]
         gates, gh_ns = ctx.gates, ctx.gh_ns  # type: ignore[attr-defined]
         B, T, E = embs.shape
