@@ -12,6 +12,7 @@ gives exactly the CLI's lines.
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -128,6 +129,15 @@ class Translator:
         """SearchOptions from the model's decode section and these overrides; n_best above
         the beam is refused (sampling draws any number)."""
         beam = self.cfg.decode.beam if beam is None else beam
+        _check_int("beam", beam, 1, 100)
+        _check_int("n_best", n_best, 1, 1000)
+        if length_penalty is not None:
+            _check_number("length_penalty", length_penalty, 0.0, 10.0)
+        if sampling is not None:
+            temperature, top_k, seed = sampling
+            _check_number("temperature", temperature, 0.01, 100.0)
+            _check_int("top_k", top_k, 0, 1 << 30)
+            _check_int("seed", seed, 0, (1 << 63) - 1)
         if n_best > beam and sampling is None:
             raise AttnmtError(f"--n-best {n_best} exceeds the beam size {beam}; raise --beam")
         return search_options(
@@ -159,6 +169,15 @@ class Translator:
     ) -> list[list[Translation]]:
         """Search (or sample) with `options` over lines: what the other methods call.
         `first_line`: the number of lines before these in a longer input (sampling seeds)."""
+        if isinstance(lines, str) or not isinstance(lines, Sequence):
+            raise AttnmtError("lines: expected a list of sentences (one str: wrap it in a list)")
+        for i, line in enumerate(lines):
+            if not isinstance(line, str):
+                raise AttnmtError(f"lines[{i}]: expected a str, not {type(line).__name__}")
+        if batch_tokens is not None:
+            _check_int("batch_tokens", batch_tokens, 1, 1 << 40)
+        if workers is not None:
+            _check_int("workers", workers, 1, 64)
         return run_search(
             self.model, self.tokenizer, list(lines), options,
             batch_tokens=batch_tokens or self.cfg.decode.batch_tokens, device=self.device,
@@ -200,9 +219,24 @@ class Translator:
     @staticmethod
     def score(hypotheses: Sequence[str], references: Sequence[str]) -> Scores:
         """Corpus BLEU and chrF with sacreBLEU (.bleu, .chrf, .bleu_signature, .as_dict())."""
+        for name, given in (("hypotheses", hypotheses), ("references", references)):
+            if isinstance(given, str) or not all(isinstance(x, str) for x in given):
+                raise AttnmtError(f"{name}: expected a list of str")
         if len(hypotheses) != len(references):
             raise AttnmtError(f"{len(hypotheses)} hypotheses but {len(references)} references")
         return score(hypotheses, references)
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> None:
+    """The API's arguments are checked as the CLI's options are: one clear error."""
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise AttnmtError(f"{name} {value!r}: expected an integer from {low} to {high}")
+
+
+def _check_number(name: str, value: object, low: float, high: float) -> None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or not low <= value <= high:  # type: ignore[arg-type]
+        raise AttnmtError(f"{name} {value!r}: expected a number from {low:g} to {high:g}")
 
 
 def _note(text: str) -> None:

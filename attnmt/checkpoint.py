@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import io
 import json
 import math
 import os
@@ -37,10 +38,10 @@ from safetensors.torch import save_file
 from attnmt import __version__
 from attnmt.config import Config, from_dict, read_yaml, to_yaml
 from attnmt.errors import CheckpointError
-from attnmt.files import atomic_write, atomic_write_bytes, free_space
+from attnmt.files import atomic_write, atomic_write_bytes, free_space, read_jsonl
 from attnmt.model import build_model
 from attnmt.seq2seq import Seq2Seq
-from attnmt.tokenizer import Tokenizer
+from attnmt.tokenizer import MAX_MODEL_BYTES, Tokenizer
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.yaml"
@@ -52,7 +53,7 @@ LOG_JSONL = "train_log.jsonl"
 LOG_TEXT = "train.log"
 CKPT_DIR = "checkpoints"
 LATEST = "latest.json"
-STATE_FORMAT_VERSION = 1
+STATE_FORMAT_VERSION = 2  # 2: sealed (sealed_state); 1 still loads
 _STEP_FILE = re.compile(r"step-(\d+)\.(safetensors|state\.pt)$")
 
 
@@ -87,22 +88,43 @@ def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def save_weights(model: Seq2Seq, path: Path) -> None:
-    """Save weights as safetensors with their checksum; tied tensors are stored once."""
-    write_tensors(path, *weights_dict(model))
+def tokenizer_digest(shas: dict[str, str]) -> str:
+    """One checksum for a model's SentencePiece files ({file name: SHA-256}, as attnmt.json
+    records them): weights files carry it, so that weights are never used with a tokenizer
+    other than the one they were trained with."""
+    return hashlib.sha256(json.dumps(shas, sort_keys=True).encode()).hexdigest()
 
 
-def write_tensors(path: Path, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:
-    """A weights file: the tensors, their checksum and the tied names, written atomically."""
+def tokenizer_shas(tokenizer: Tokenizer) -> dict[str, str]:
+    return {name: hashlib.sha256(p).hexdigest() for name, p in tokenizer.files().items()}
+
+
+def save_weights(model: Seq2Seq, path: Path, tokenizer: str | None = None) -> None:
+    """Save weights as safetensors with their checksum and their tokenizer's
+    (tokenizer_digest); tied tensors are stored once."""
+    write_tensors(path, *weights_dict(model), tokenizer)
+
+
+def write_tensors(
+    path: Path,
+    tensors: dict[str, torch.Tensor],
+    aliases: dict[str, str],
+    tokenizer: str | None = None,
+) -> None:
+    """A weights file: the tensors, their checksum, the tied names and the tokenizer's digest,
+    written atomically."""
     # One metadata entry only: the header's metadata map has no fixed key order.
     meta = {"sha256": tensors_sha256(tensors), "tied": aliases}
+    if tokenizer is not None:
+        meta["tokenizer"] = tokenizer
     metadata = {"attnmt": json.dumps(meta, sort_keys=True)}
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
-def read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """A weights file's stored tensors and tied names ({dropped name: kept name}). A file whose
-    checksum does not match, or that holds NaN or infinite values, is refused."""
+def read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str], str | None]:
+    """A weights file's stored tensors, tied names ({dropped name: kept name}) and tokenizer
+    digest (None in files written before it was recorded). A file whose checksum does not
+    match, or that holds NaN or infinite values, is refused."""
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             meta = f.metadata() or {}
@@ -119,12 +141,21 @@ def read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     for name, t in state.items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise CheckpointError(f"{path}: damaged: tensor {name} holds NaN or infinite values")
-    return state, aliases
+    tokenizer = info.get("tokenizer")
+    return state, aliases, tokenizer if isinstance(tokenizer, str) else None
 
 
-def load_weights(model: Seq2Seq, path: Path, device: torch.device | str = "cpu") -> None:
-    """Load weights saved by save_weights into model (strict: every name must match)."""
-    state, aliases = read_tensors(path)
+def load_weights(
+    model: Seq2Seq, path: Path, device: torch.device | str = "cpu", tokenizer: str | None = None
+) -> None:
+    """Load weights saved by save_weights into model (strict: every name must match); refused
+    if they record another tokenizer than `tokenizer` (a tokenizer_digest)."""
+    state, aliases, trained_with = read_tensors(path)
+    if tokenizer is not None and trained_with is not None and trained_with != tokenizer:
+        raise CheckpointError(
+            f"{path}: trained with another SentencePiece model than this model directory's "
+            "(the tokenizer checksum it records differs); use weights of this run"
+        )
     for name, kept in aliases.items():
         state[name] = state[kept]
     try:
@@ -149,13 +180,17 @@ def dev_scores(model_dir: Path) -> dict[int, float]:
     """{step: dev score} of the validations in train_log.jsonl, higher is better, of the
     metric each names (BLEU, chrF, or the dev loss negated)."""
     scores = {}
-    for line in (model_dir / LOG_JSONL).read_text(encoding="utf-8").splitlines():
-        event = json.loads(line)
+    for number, event in read_jsonl(model_dir / LOG_JSONL):
         if event.get("event") == "validation":
             metric = event.get("metric", "bleu")
             value = event.get("dev_loss" if metric == "loss" else f"dev_{metric}")
+            step = event.get("step")
+            if not isinstance(step, int) or not isinstance(value, int | float | None):
+                raise CheckpointError(
+                    f"{model_dir / LOG_JSONL}:{number}: a validation event without a step or score"
+                )
             if value is not None and math.isfinite(value):
-                scores[int(event["step"])] = -value if metric == "loss" else value
+                scores[step] = -value if metric == "loss" else value
     return scores
 
 
@@ -175,18 +210,22 @@ def average_checkpoints(model_dir: Path, n: int, by: str) -> tuple[Path, list[in
             + (" with a dev score" if by == "best" else "")
             + f" ({', '.join(f'step-{s}' for s in sorted(kept)) or 'none'}); raise train.keep_{by}"
         )
-    first, aliases = read_tensors(kept[steps[0]])
+    first, aliases, tokenizer = read_tensors(kept[steps[0]])
     dtypes = {name: t.dtype for name, t in first.items()}
     total = {name: t.double() for name, t in first.items()}
     for step in steps[1:]:
-        tensors, _ = read_tensors(kept[step])
+        tensors, _, other = read_tensors(kept[step])
+        if other != tokenizer:
+            raise CheckpointError(
+                f"{kept[step]}: trained with another tokenizer than {kept[steps[0]]}"
+            )
         if tensors.keys() != total.keys():
             raise CheckpointError(f"{kept[step]}: other tensors than {kept[steps[0]]}")
         for name, t in tensors.items():
             total[name] += t.double()
     mean = {name: (t / len(steps)).to(dtypes[name]) for name, t in total.items()}
     path = model_dir / AVERAGED_FILE
-    write_tensors(path, mean, aliases)
+    write_tensors(path, mean, aliases, tokenizer)
     return path, sorted(steps)
 
 
@@ -203,37 +242,62 @@ RUN_FILES = (
 )
 
 
+MAX_META_BYTES = 1 << 20  # attnmt.json: a larger one is refused before it is read
+
 LOCK_FILE = ".lock"
 _PROBE_BYTES = 4 << 20  # the start-up write check: a nearly full disk shows before any work
 
 
-def lock_model_dir(out: Path) -> IO[str]:
-    """Take the model directory's exclusive lock (flock on out/.lock, created if needed) and
-    return the open lock file: the lock lasts while it stays open, and the OS releases it when
-    the process ends, however it ends (kill -9 included), so a lock is never stale."""
+class DirLock:
+    """The exclusive lock of a model directory: flock on the directory itself, which a run
+    cannot lose (a lock on a file inside could be deleted, and a second trainer would lock a
+    new file of the same name), and out/.lock, which names the holder's pid for messages."""
+
+    def __init__(self, dir_fd: int, info: IO[str]) -> None:
+        self.dir_fd, self.info = dir_fd, info
+
+    def close(self) -> None:
+        """Release the lock (closing twice is harmless); the OS also releases it when the
+        process ends, however it ends (kill -9 included), so a lock is never stale."""
+        if self.dir_fd >= 0:
+            os.close(self.dir_fd)
+            self.dir_fd = -1
+        self.info.close()
+
+    def __del__(self) -> None:  # as a file object does: a lock no one holds is released
+        self.close()
+
+
+def lock_model_dir(out: Path) -> DirLock:
+    """Take the model directory's exclusive lock (creating the directory if needed)."""
     try:
         out.mkdir(parents=True, exist_ok=True)
-        f = open(out / LOCK_FILE, "a+", encoding="utf-8")  # noqa: SIM115 (held open)
+        dir_fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as e:
         raise CheckpointError(f"--out {out}: cannot write there ({e.strerror or e})") from None
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "unknown"
-        f.close()
+        os.close(dir_fd)
+        try:
+            holder = (out / LOCK_FILE).read_text(encoding="utf-8").strip() or "unknown"
+        except OSError:
+            holder = "unknown"
         raise CheckpointError(
             f"--out {out}: in use by another attnmt train (pid {holder}); wait for it to end "
             "or stop it first"
         ) from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()}\n")
-    f.flush()
-    return f
+    try:
+        info = open(out / LOCK_FILE, "w", encoding="utf-8")  # noqa: SIM115 (held open)
+        info.write(f"{os.getpid()}\n")
+        info.flush()
+    except OSError as e:
+        os.close(dir_fd)
+        raise CheckpointError(f"--out {out}: cannot write there ({e.strerror or e})") from None
+    return DirLock(dir_fd, info)
 
 
-def prepare_output_dir(out: Path, overwrite: bool, resume: bool) -> IO[str]:
+def prepare_output_dir(out: Path, overwrite: bool, resume: bool) -> DirLock:
     """Lock the model directory (creating it), then reuse it with resume, or clear it with
     overwrite; refuse to mix two runs. Returns the lock file: keep it open while training.
 
@@ -277,12 +341,14 @@ def _clear_or_reuse(out: Path, overwrite: bool, resume: bool) -> None:
             for f in (out / CKPT_DIR).iterdir():
                 f.unlink()
         shutil.rmtree(out / "encoded", ignore_errors=True)  # attnmt.store's STORE_DIR
-    if resume:
-        # Temporary files of saves that a crash interrupted; the real files were never touched.
-        for d in (out, out / CKPT_DIR):
-            if d.is_dir():
-                for f in d.glob(".*.tmp"):
-                    f.unlink(missing_ok=True)
+    # Temporary files of saves that a crash interrupted (the real files were never touched),
+    # and a store that was being built (.encoded.tmp/: a directory): setup builds it anew.
+    for d in (out, out / CKPT_DIR):
+        for f in d.glob(".*.tmp") if d.is_dir() else []:
+            if f.is_dir() and not f.is_symlink():
+                shutil.rmtree(f, ignore_errors=True)
+            else:
+                f.unlink(missing_ok=True)
 
 
 @dataclass
@@ -298,6 +364,7 @@ def save_checkpoint(
     records: list[CheckpointRecord],
     keep_last: int,
     keep_best: int,
+    tokenizer: str | None = None,
 ) -> None:
     """Write step-N weights and state, move the latest pointer to them, prune old ones.
 
@@ -308,8 +375,8 @@ def save_checkpoint(
     ckpt = out / CKPT_DIR
     weights = ckpt / f"step-{step:08d}.safetensors"
     state_file = ckpt / f"step-{step:08d}.state.pt"
-    save_weights(model, weights)
-    atomic_write(state_file, lambda tmp: torch.save(state, tmp))
+    save_weights(model, weights, tokenizer)
+    atomic_write(state_file, lambda tmp: torch.save(sealed_state(state), tmp))
     pointer = {"step": step, "weights": weights.name, "state": state_file.name}
     atomic_write_bytes(ckpt / LATEST, json.dumps(pointer).encode("utf-8"))
     keep = {r.step for r in records[-keep_last:]}
@@ -350,14 +417,42 @@ def _names(directory: Path) -> list[str]:
     return [f.name for f in directory.iterdir()] if directory.is_dir() else []
 
 
+def sealed_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A training state as it is written (format 2): the state serialized by torch.save, as
+    bytes, beside their SHA-256; load_train_state refuses a file whose bytes do not match
+    (one flipped byte would otherwise resume silently into a different run)."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getvalue()
+    return {
+        "format_version": STATE_FORMAT_VERSION,
+        "sha256": hashlib.sha256(payload).hexdigest(),
+        "payload": torch.frombuffer(bytearray(payload), dtype=torch.uint8),
+    }
+
+
 def load_train_state(path: Path) -> dict[str, Any]:
     """Load a training state with torch.load(weights_only=True): plain tensors and numbers only.
 
     A file that would run code or build arbitrary objects when unpickled is refused before any
-    of its code runs.
+    of its code runs; a sealed one (format 2) whose checksum does not match is refused.
     """
+    state = _load_state(path, path.read_bytes() if path.is_file() else b"")
+    if state.get("payload") is not None:
+        payload = state["payload"].numpy().tobytes()
+        if hashlib.sha256(payload).hexdigest() != state.get("sha256"):
+            raise CheckpointError(
+                f"{path}: damaged: the training state does not match the checksum written "
+                "with it; resume from another checkpoint (--weights step-N keeps them)"
+            )
+        state = _load_state(path, payload)
+    return state
+
+
+def _load_state(path: Path, data: bytes) -> dict[str, Any]:
+    """One torch.load(weights_only=True) of a state's bytes, checked to be attnmt's."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else "unpickling refused"
         raise CheckpointError(
@@ -390,9 +485,18 @@ def write_run_files(out: Path, cfg: Config, tokenizer: Tokenizer) -> None:
         "tgt_vocab_size": len(tokenizer.tgt),
         "joint": tokenizer.joint,
         "model": cfg.model.model_dump(mode="json"),
-        "sha256": {name: hashlib.sha256(p).hexdigest() for name, p in tokenizer.files().items()},
+        "sha256": tokenizer_shas(tokenizer),
     }
     atomic_write_bytes(out / META_FILE, json.dumps(meta, indent=2).encode("utf-8"))
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a file, read in blocks (a huge file costs time, never memory)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
 
 
 def check_run_files(model_dir: Path, meta: dict[str, Any], cfg: Config) -> None:
@@ -407,7 +511,11 @@ def check_run_files(model_dir: Path, meta: dict[str, Any], cfg: Config) -> None:
             )
     for name, digest in (meta.get("sha256") or {}).items():
         path = model_dir / name
-        if path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() != digest:
+        if path.is_file() and path.stat().st_size > MAX_MODEL_BYTES:
+            raise CheckpointError(
+                f"{path}: {path.stat().st_size:,} bytes: not a SentencePiece model"
+            )
+        if path.is_file() and file_sha256(path) != digest:
             raise CheckpointError(
                 f"{path}: not the SentencePiece model this model was trained with "
                 f"(its checksum differs from {META_FILE}'s)"
@@ -454,10 +562,17 @@ def read_run_files(model_dir: Path) -> tuple[Config, dict[str, Any]]:
             f"{model_dir} is not an attnmt model directory (no {META_FILE} / {CONFIG_FILE})"
         )
     try:
+        if meta_path.stat().st_size > MAX_META_BYTES:
+            raise ValueError(f"{meta_path.stat().st_size:,} bytes; attnmt writes a few hundred")
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
         version = int(meta["format_version"])
         int(meta["src_vocab_size"]), int(meta["tgt_vocab_size"])  # checked here, read later
-    except (ValueError, KeyError, TypeError) as e:
+        if not isinstance(meta.get("model", {}), dict):
+            raise ValueError("'model' is not a mapping")
+        shas = meta.get("sha256", {})
+        if not isinstance(shas, dict) or not all(isinstance(v, str) for v in shas.values()):
+            raise ValueError("'sha256' is not a mapping of file names to checksums")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{meta_path}: unreadable metadata ({e})") from None
     if version > FORMAT_VERSION:
         raise CheckpointError(
@@ -487,6 +602,8 @@ def load_model_dir(
                 f"weights {size} ({META_FILE}): not this model's tokenizer"
             )
     model = build_model(cfg.model, src_vocab, tgt_vocab, cfg.tokenizer.joint)
-    load_weights(model, resolve_weights(model_dir, weights), device)
+    shas = meta.get("sha256") or None
+    digest = tokenizer_digest(shas) if shas else None
+    load_weights(model, resolve_weights(model_dir, weights), device, digest)
     model.to(device).eval()
     return cfg, tokenizer, model

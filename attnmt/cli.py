@@ -126,10 +126,11 @@ def translate(
     beam: Annotated[int | None, typer.Option(
         "--beam", "-b", min=1, max=100, help="Beam size; 1 = greedy (default: config).")] = None,
     n_best: Annotated[int, typer.Option(
-        "--n-best", min=1,
+        "--n-best", min=1, max=1000,
         help="Write the N best hypotheses per input: 'LINE ||| TEXT ||| SCORE'.")] = 1,
     length_penalty: Annotated[float | None, typer.Option(
-        "--length-penalty", min=0.0, help="GNMT length penalty alpha (default: config).")] = None,
+        "--length-penalty", min=0.0, max=10.0,
+        help="GNMT length penalty alpha (default: config).")] = None,
     batch_tokens: Annotated[int | None, typer.Option(
         "--batch-tokens", min=1, help="Source tokens per batch (default: config).")] = None,
     attention: Annotated[Path | None, typer.Option(

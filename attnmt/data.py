@@ -39,6 +39,7 @@ def decode_line(raw: bytes, name: str, number: int) -> str:
 
 
 CHUNK_LINES = 4096  # input lines translated together at most (memory stays bounded)
+MAX_LINE_BYTES = 1 << 20  # a longer line is refused (file:line): input is sentences
 
 
 def input_chunks(path: Path | None, size: int = CHUNK_LINES) -> Iterator[list[str]]:
@@ -48,12 +49,19 @@ def input_chunks(path: Path | None, size: int = CHUNK_LINES) -> Iterator[list[st
     sent alone is answered at once; the input is never held whole."""
     stdin = path is None or str(path) == "-"
     name = "<stdin>" if stdin else str(path)
+    if stdin and sys.stdin is None:
+        raise DataError("standard input is closed; give the input with --input FILE")
     stream = sys.stdin.buffer if stdin else open_input(path)  # type: ignore[arg-type]
     fd = _interactive_fd(stream)
     number, chunk, pending = 0, [], b""
     try:
         while data := (os.read(fd, 1 << 16) if fd is not None else stream.read(1 << 16)):
             *complete, pending = (pending + data).split(b"\n")
+            if len(pending) > MAX_LINE_BYTES:  # /dev/zero, a binary file: never a sentence
+                raise DataError(
+                    f"{name}:{number + len(complete) + 1}: a line longer than "
+                    f"{MAX_LINE_BYTES >> 20} MiB; is this a text file of sentences?"
+                )
             for raw in complete:
                 number += 1
                 chunk.append(decode_line(raw, name, number))

@@ -161,6 +161,8 @@ class Scores:
 
 def score(hypotheses: Sequence[str], references: Sequence[str]) -> Scores:
     """Corpus BLEU and chrF (sacreBLEU defaults: 13a tokenization, mixed case)."""
+    if not hypotheses:
+        raise DataError("nothing to score: no lines")
     bleu = sacrebleu.metrics.BLEU()
     chrf = sacrebleu.metrics.CHRF()
     b = bleu.corpus_score(list(hypotheses), [list(references)])

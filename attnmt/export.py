@@ -23,6 +23,7 @@ from torch import nn
 
 from attnmt.checkpoint import load_model_dir
 from attnmt.errors import AttnmtError
+from attnmt.files import free_space
 from attnmt.transformer import (
     DecoderLayer,
     EncoderLayer,
@@ -48,8 +49,7 @@ def export_ctranslate2(
     ct2 = _import_ctranslate2()
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise AttnmtError(f"--quantization {quantization!r}: expected {', '.join(QUANTIZATIONS)}")
-    if out.exists() and not force:
-        raise AttnmtError(f"{out} exists; pass --force to replace it")
+    check_export_path(model_dir, out, force)
     cfg, tokenizer, net = load_model_dir(model_dir, weights, "cpu")
     if not isinstance(net, TransformerSeq2Seq):
         raise AttnmtError(
@@ -69,8 +69,11 @@ def export_ctranslate2(
     spec.config.layer_norm_epsilon = net.encoder_layers[0].res_attn.norm.eps  # all are torch's
     spec.validate()
     spec.optimize(quantization=quantization)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as e:
+        raise AttnmtError(f"{out}: cannot write there ({e.strerror or e})") from None
     try:
         spec.save(str(tmp))
         for name, data in tokenizer.files().items():
@@ -78,9 +81,29 @@ def export_ctranslate2(
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
+    except (OSError, RuntimeError) as e:  # a full disk, RLIMIT_FSIZE: CTranslate2 or ours
+        reason = getattr(e, "strerror", None) or str(e).strip().splitlines()[0][:200]
+        raise AttnmtError(f"{out}: cannot write the export ({reason}; {free_space(tmp)})") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return sorted(p.name for p in out.iterdir())
+
+
+def check_export_path(model_dir: Path, out: Path, force: bool) -> None:
+    """Refuse, before any work, an output that would overwrite what it is made from (the
+    model directory, a directory holding it, or one inside it: --force deletes `out`), or
+    that is a file, or that exists without --force."""
+    model, target = model_dir.resolve(), out.resolve()
+    if target == model or model in target.parents or target in model.parents:
+        raise AttnmtError(
+            f"{out}: is, holds or is inside the model directory {model_dir}; export elsewhere"
+        )
+    if out.exists() and not out.is_dir():
+        raise AttnmtError(f"{out}: exists and is not a directory")
+    if out.exists() and not force:
+        raise AttnmtError(f"{out} exists; pass --force to replace it")
+    if any(p.exists() and not p.is_dir() for p in target.parents):
+        raise AttnmtError(f"{out}: a parent of it is a file, not a directory")
 
 
 def _import_ctranslate2() -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import io
+import json
 import os
 import shutil
 import stat
@@ -90,10 +91,15 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 
 def check_output_path(path: Path, option: str) -> None:
-    """Fail now, before any work, if `option`'s file could not be created at path."""
+    """Fail now, before any work, if `option`'s file could not be created at path (a device
+    or FIFO that exists is written directly: see OutputSink)."""
     parent = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
         raise WriteError(f"{option} {path}: is a directory")
+    if path.exists() and not path.is_file():
+        if not os.access(path, os.W_OK):
+            raise WriteError(f"{option} {path}: cannot write (permission denied)")
+        return
     if not parent.is_dir():
         raise WriteError(f"{option} {path}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
@@ -109,8 +115,13 @@ def write_stdout(text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
         return
+    sys.stdout.flush()
+    write_fd(fd, text, "standard output")
+
+
+def write_fd(fd: int, text: str, name: str) -> None:
+    """Write text to an open file descriptor in full (see write_stdout), or raise WriteError."""
     try:
-        sys.stdout.flush()
         view = memoryview(text.encode("utf-8"))
         while view:
             written = os.write(fd, view)
@@ -121,17 +132,27 @@ def write_stdout(text: str) -> None:
         if e.errno == errno.EPIPE:
             os.dup2(os.open(os.devnull, os.O_WRONLY), fd)  # no second error at exit
             raise SystemExit(141) from None
-        raise WriteError(f"cannot write to standard output ({_reason(e)})") from None
+        raise WriteError(f"cannot write to {name} ({_reason(e)})") from None
 
 
 class OutputSink:
     """Where translations go as they are ready: standard output (write_stdout), or a temporary
     file beside `path` that becomes `path` only when complete (deleted on a failure, so a
     reader never sees a partial file under the real name; after kill -9 only the hidden
-    temporary file remains)."""
+    temporary file remains). A path that is not a regular file (a device, a FIFO, a link to
+    either, such as /dev/stdout) is written directly, as standard output is; a link to a
+    regular file is followed (the link stays)."""
 
     def __init__(self, path: Path | None) -> None:
-        self.path, self.tmp, self.file = path, None, None
+        self.path, self.tmp, self.file, self.direct = path, None, None, None
+        if path is not None and path.exists() and not path.is_file():
+            try:
+                self.direct = os.open(path, os.O_WRONLY)
+            except OSError as e:
+                raise WriteError(f"{path}: cannot write ({_reason(e)})") from None
+            return
+        if path is not None and path.is_symlink():
+            self.path = path = path.resolve()
         if path is not None:
             try:
                 fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -140,6 +161,9 @@ class OutputSink:
             self.tmp, self.file = Path(tmp), os.fdopen(fd, "wb")
 
     def write(self, text: str) -> None:
+        if self.direct is not None:
+            write_fd(self.direct, text, str(self.path))
+            return
         if self.file is None:
             write_stdout(text)
             return
@@ -154,6 +178,8 @@ class OutputSink:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        if self.direct is not None:
+            os.close(self.direct)
         if self.file is None or self.tmp is None or self.path is None:
             return
         tmp, path = self.tmp, self.path
@@ -172,3 +198,36 @@ class OutputSink:
             ) from None
         finally:
             tmp.unlink(missing_ok=True)
+
+
+def read_jsonl(path: Path) -> list[tuple[int, dict]]:
+    """The JSON objects of a JSON-lines file (a run's train_log.jsonl), with their line numbers.
+
+    A last line cut short (a full disk or a kill while it was written: no newline at its end)
+    is skipped with a warning on stderr; any other line that is not a JSON object, and a file
+    that is not UTF-8, is an error naming file:line.
+    """
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise AttnmtError(f"{path}: cannot read ({_reason(e)})") from None
+    lines = data.split(b"\n")
+    torn = lines.pop() if lines else b""  # after the last newline: empty, or a cut line
+    events = []
+    for number, raw in enumerate([*lines, torn], 1):
+        if not raw.strip():
+            continue
+        try:
+            event = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            event = None
+        if not isinstance(event, dict):
+            if number == len(lines) + 1:
+                print(
+                    f"attnmt: warning: {path}:{number}: skipped a cut-off last line",
+                    file=sys.stderr,
+                )
+                continue
+            raise AttnmtError(f"{path}:{number}: not a JSON object (a log line of attnmt?)")
+        events.append((number, event))
+    return events

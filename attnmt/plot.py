@@ -3,13 +3,12 @@ runs, against steps and against wall-clock minutes, from their train_log.jsonl f
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from attnmt.checkpoint import LOG_JSONL
 from attnmt.errors import AttnmtError
-from attnmt.files import atomic_write
+from attnmt.files import atomic_write, read_jsonl
 
 
 @dataclass
@@ -27,23 +26,21 @@ def read_curves(model_dir: Path) -> Curves:
     """The curves of a model directory's log. A resumed run logged the steps after its last
     checkpoint twice: the later record of a step wins."""
     path = model_dir / LOG_JSONL
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise AttnmtError(f"{path}: cannot read ({e.strerror or e})") from None
     train: dict[int, dict] = {}
     dev: dict[int, dict] = {}
     seconds = 0.0  # logs without elapsed_s in train events: the sum of the windows
-    for number, line in enumerate(lines, 1):
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
-            raise AttnmtError(f"{path}:{number}: not a JSON line") from None
-        if event.get("event") == "train":
+    for number, event in read_jsonl(path):
+        kind = event.get("event")
+        if kind not in ("train", "validation"):
+            continue
+        needs = ("step", "loss", "lr") if kind == "train" else ("step", "dev_loss", "dev_bleu")
+        if not all(_is_number(event.get(key)) for key in needs):
+            raise AttnmtError(f"{path}:{number}: a {kind} event without {', '.join(needs)}")
+        if kind == "train":
             seconds += event.get("seconds", 0.0)
-            train[event["step"]] = {**event, "elapsed_s": event.get("elapsed_s", seconds)}
-        elif event.get("event") == "validation":
-            dev[event["step"]] = event
+            train[int(event["step"])] = {**event, "elapsed_s": event.get("elapsed_s", seconds)}
+        else:
+            dev[int(event["step"])] = {**event, "elapsed_s": event.get("elapsed_s", seconds)}
     curves = Curves(model_dir.name or str(model_dir))
     for step, e in sorted(train.items()):
         curves.loss.append((step, e["elapsed_s"] / 60, e["loss"]))
@@ -54,6 +51,10 @@ def read_curves(model_dir: Path) -> Curves:
     if not curves.loss and not curves.bleu:
         raise AttnmtError(f"{path}: no training or validation events to plot")
     return curves
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def plot_runs(model_dirs: list[Path], output: Path) -> None:

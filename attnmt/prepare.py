@@ -20,6 +20,7 @@ from attnmt.store import (
     TokenStore,
     build_store,
     check_fingerprint,
+    damage,
     default_workers,
     open_store,
 )
@@ -55,7 +56,7 @@ def prepare_data(
     if ranks.is_main:
         tokenizer = make_tokenizer(cfg, out, resuming)
         write_run_files(out, cfg, tokenizer)  # on resume: the config's resumable changes
-        ensure_store(cfg, out, tokenizer, resuming, files)
+        ensure_store(cfg, out, tokenizer, resuming, files, log)
     ranks.barrier()  # the tokenizer and the store are complete before the others read them
     if not ranks.is_main:
         tokenizer = Tokenizer.load(out, cfg.tokenizer.joint)
@@ -79,14 +80,23 @@ def make_tokenizer(cfg: Config, out: Path, resuming: bool) -> Tokenizer:
 
 
 def ensure_store(
-    cfg: Config, out: Path, tokenizer: Tokenizer, resuming: bool, files: list[Path]
+    cfg: Config, out: Path, tokenizer: Tokenizer, resuming: bool, files: list[Path], log: RunLog
 ) -> None:
-    """Reuse the encoded store when resuming (refused if a file in `files` changed), else
+    """Reuse the encoded store when resuming (refused if a file in `files` changed; rebuilt,
+    with a warning, if the store itself is damaged: it is made from those files alone), else
     build it, in a child process: what streaming the corpus leaves in Python's allocator goes
     with it, and Ctrl-C does not wait for the encoding workers."""
-    if resuming and open_store(out) is not None:
+    store = open_store(out) if resuming else None
+    if store is not None:
         check_fingerprint(out / STORE_DIR, files)
-        return
+        problem = damage(store, (len(tokenizer.src), len(tokenizer.tgt)))
+        if problem is None:
+            return
+        log.event(
+            "store",
+            f"warning: the encoded corpus is damaged ({problem}); rebuilding it",
+            problem=problem,
+        )
     data = cfg.data
     protos = (tokenizer.src.proto, tokenizer.tgt.proto)
     workers = data.workers or default_workers()

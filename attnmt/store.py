@@ -197,12 +197,45 @@ def build_store(
         "workers": workers,
         "encode_seconds": round(time.time() - start, 3),
         "fingerprint": fingerprint(fingerprinted),
+        "files": {name: _file_record(tmp / name) for name in STORE_FILES},
     }
     atomic_write_bytes(tmp / "meta.json", json.dumps(meta, indent=2).encode())
     shutil.rmtree(store, ignore_errors=True)
     os.replace(tmp, store)
     fsync_dir(out)
     return meta
+
+
+STORE_FILES = ("src.tokens", "src.offsets", "tgt.tokens", "tgt.offsets")
+
+
+def _file_record(path: Path) -> dict[str, Any]:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return {"size": path.stat().st_size, "sha256": h.hexdigest()}
+
+
+def damage(store: TokenStore, vocab_sizes: tuple[int, int]) -> str | None:
+    """What is wrong with a store's files (a size or checksum that differs from what was
+    recorded when it was built, or a token id outside the vocabulary), or None if nothing."""
+    recorded = store.meta.get("files") or {}
+    for name, record in recorded.items():
+        path = store.directory / name
+        try:
+            now = _file_record(path)
+        except OSError as e:
+            return f"{path}: {e.strerror or e}"
+        if now["size"] != record.get("size"):
+            return f"{path}: {now['size']:,} bytes, built with {record.get('size'):,}"
+        if now["sha256"] != record.get("sha256"):
+            return f"{path}: its checksum differs from the one recorded when it was built"
+    for side, vocab in zip((store.src, store.tgt), vocab_sizes, strict=True):
+        top = int(side.values.max()) if len(side.values) else -1
+        if top >= vocab:
+            return f"{store.directory}: token id {top} outside a vocabulary of {vocab}"
+    return None
 
 
 def _vocab_size(proto: bytes) -> int:

@@ -247,10 +247,12 @@ class Tokenizer:
         vocabs = []
         for path in paths:
             try:
-                proto = path.read_bytes()
-            except OSError as e:
-                raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
-            vocabs.append(SubwordVocab(conform(proto, path)))
+                proto = read_model_file(path)
+                vocabs.append(SubwordVocab(conform(proto, path)))
+            except (OSError, RuntimeError, ValueError) as e:
+                raise ConfigError(
+                    f"{path}: not a usable SentencePiece model ({_first(e)})"
+                ) from None
         return cls(vocabs[0], vocabs[-1])
 
     def files(self) -> dict[str, bytes]:
@@ -268,7 +270,24 @@ class Tokenizer:
             if not path.is_file():
                 raise CheckpointError(f"{model_dir}: missing SentencePiece model {name}")
             try:
-                vocabs.append(SubwordVocab(path.read_bytes()))
-            except (OSError, RuntimeError) as e:
-                raise CheckpointError(f"{path}: not a SentencePiece model ({e})") from None
+                vocabs.append(SubwordVocab(read_model_file(path)))
+            except (OSError, RuntimeError, ValueError) as e:
+                raise CheckpointError(f"{path}: not a SentencePiece model ({_first(e)})") from None
         return cls(vocabs[0], vocabs[-1])  # joint: the same object twice
+
+
+MAX_MODEL_BYTES = 256 << 20  # a SentencePiece model of a million pieces is under 100 MiB
+
+
+def read_model_file(path: Path) -> bytes:
+    """A SentencePiece model file's bytes; one larger than MAX_MODEL_BYTES is refused before it
+    is read (ValueError), not loaded until memory runs out."""
+    size = path.stat().st_size
+    if size > MAX_MODEL_BYTES:
+        raise ValueError(f"{size:,} bytes, more than a SentencePiece model holds")
+    return path.read_bytes()
+
+
+def _first(e: BaseException) -> str:
+    text = getattr(e, "strerror", None) or str(e).strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__

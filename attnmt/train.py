@@ -42,6 +42,8 @@ from attnmt.checkpoint import (
     resolve_weights,
     save_checkpoint,
     save_weights,
+    tokenizer_digest,
+    tokenizer_shas,
 )
 from attnmt.config import Config
 from attnmt.data import BucketSampler, ParallelText, collate, read_test_set
@@ -147,6 +149,7 @@ class Run:
     tf_generator: torch.Generator  # scheduled sampling's coin flips
     progress: Progress
     start_time: float = field(default_factory=time.time)
+    tokenizer_digest: str | None = None  # what weights files record (checkpoint.tokenizer_digest)
 
     def elapsed(self) -> float:
         """Training seconds, over every resumption of the run."""
@@ -287,6 +290,7 @@ def setup(
         precision,
         sampler, tf_generator, Progress(), start_time,
     )  # fmt: skip
+    run.tokenizer_digest = tokenizer_digest(tokenizer_shas(tokenizer))
     if checkpoint is not None:
         restore(run, *checkpoint)
     elif t.init_from is not None:
@@ -310,7 +314,7 @@ def setup(
 def restore(run: Run, weights_path: Path, state_path: Path) -> None:
     """Load a checkpoint's weights, optimizer, scaler, counters and RNG states into run."""
     state = load_train_state(state_path)
-    load_weights(run.model, weights_path, run.device)
+    load_weights(run.model, weights_path, run.device, run.tokenizer_digest)
     try:
         run.optimizer.load_state_dict(state["optimizer"])
         run.progress = Progress.from_state(state["progress"])
@@ -322,13 +326,13 @@ def restore(run: Run, weights_path: Path, state_path: Path) -> None:
             f"{state_path}: cannot restore the training state ({type(e).__name__}: {e})"
         ) from None
     if run.ranks.is_main:
-        save_weights(run.model, run.out / LAST_FILE)
+        save_weights(run.model, run.out / LAST_FILE, run.tokenizer_digest)
 
 
 def start_from(run: Run, source_dir: Path) -> None:
     """Fine-tuning: load the source model's best weights; log them with their dev loss."""
     weights = resolve_weights(source_dir, "best")
-    load_weights(run.model, weights, run.device)
+    load_weights(run.model, weights, run.device, run.tokenizer_digest)
     loss = dev_loss(run.model, run.dev_data, run.cfg.train.eval_batch_tokens, run.device)
     run.log.event(
         "init_from",
@@ -508,14 +512,14 @@ def validate_main(run: Run) -> bool:
     improved = finite and metric > p.best_score
     if improved:
         p.best_score, p.bad_validations, p.plateau_bad = metric, 0, 0
-        save_weights(model, run.out / BEST_FILE)
+        save_weights(model, run.out / BEST_FILE, run.tokenizer_digest)
     else:
         p.bad_validations += 1
         p.plateau_bad += 1
         if t.lr_schedule == "plateau" and p.plateau_bad > t.plateau_patience:
             p.plateau_scale *= t.plateau_factor
             p.plateau_bad = 0
-    save_weights(model, run.out / LAST_FILE)
+    save_weights(model, run.out / LAST_FILE, run.tokenizer_digest)
     p.validation_s = max(p.validation_s, time.time() - started)
     checkpoint(run, metric if finite else None)
     ppl = math.exp(min(loss, 50.0))
@@ -573,7 +577,9 @@ def checkpoint(run: Run, bleu: float | None) -> None:
     }
     if run.scaler.is_enabled():
         state["scaler"] = run.scaler.state_dict()
-    save_checkpoint(run.out, run.model, state, records, t.keep_last, t.keep_best)
+    save_checkpoint(
+        run.out, run.model, state, records, t.keep_last, t.keep_best, run.tokenizer_digest
+    )
     p.checkpoints = [[r.step, r.score] for r in records]
 
 
@@ -582,7 +588,7 @@ def interrupt(run: Run, signum: int) -> None:
     make the weights last.safetensors so the directory translates, and raise."""
     p = run.progress
     if p.last_validated != p.step and run.ranks.is_main:
-        save_weights(run.model, run.out / LAST_FILE)
+        save_weights(run.model, run.out / LAST_FILE, run.tokenizer_digest)
         checkpoint(run, None)
     name = signal.Signals(signum).name
     # The CLI prints this line on stderr; here it goes to the log files only.
@@ -616,7 +622,7 @@ def test_with(run: Run, weights: Path, which: str) -> None:
     cfg = run.cfg
     assert cfg.data.test is not None
     sources, references = read_test_set(cfg.data.test)
-    load_weights(run.model, weights, run.device)
+    load_weights(run.model, weights, run.device, run.tokenizer_digest)
     s, _ = score_translations(
         lambda lines: translate_lines(
             run.model, run.tokenizer, lines, search_options(cfg.decode),
