@@ -18,9 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
-from test_reliability import attnmt, one_error_line
+from test_reliability import attnmt, one_error_line, running_trainer
 from test_serve import free_port, wait_healthy
-from test_train import start_training, trained_steps, wait_for
+from test_train import trained_steps
 
 from attnmt import Translator
 from attnmt.checkpoint import BEST_FILE, CKPT_DIR, load_model_dir, save_weights
@@ -110,20 +110,11 @@ def test_3_weights_of_another_tokenizer_are_refused(model: Path):
 
 
 def test_4_deleting_the_lock_file_does_not_let_a_second_trainer_in(tmp_path: Path, corpus):
-    raw = tiny_config(corpus)
-    raw["train"].update(max_steps=100000, eval_every=100000, log_every=1)
-    cfg = write_config(tmp_path / "c.yaml", raw)
-    out = tmp_path / "m"
-    proc = start_training(cfg, out)
-    try:
-        wait_for(lambda: trained_steps(out) >= 2, proc)
+    with running_trainer(tmp_path, corpus) as (cfg, out, proc):
         (out / ".lock").unlink()
         r = attnmt("train", "-c", str(cfg), "--out", str(out), "-q", "--resume")
         one_error_line(r, "in use by another attnmt train")
         assert proc.poll() is None
-    finally:
-        proc.kill()
-        proc.communicate()
 
 
 def test_5_a_torn_last_log_line_is_skipped_with_a_warning(model: Path, tmp_path: Path):

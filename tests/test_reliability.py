@@ -4,6 +4,7 @@ usage errors. Each test reproduces a defect of the adversarial pass of 2026-11-2
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -54,7 +55,10 @@ def one_error_line(r: subprocess.CompletedProcess, *fragments: str) -> str:
 # --- 1. the model directory's lock ---
 
 
-def test_a_second_trainer_is_refused_and_touches_nothing(tmp_path: Path, corpus):
+@contextlib.contextmanager
+def running_trainer(tmp_path: Path, corpus):
+    """A trainer in a subprocess that has taken 2 steps: yields (config, out, process); killed
+    on leaving."""
     raw = tiny_config(corpus)
     raw["train"].update(max_steps=100000, eval_every=100000, log_every=1)
     cfg = write_config(tmp_path / "c.yaml", raw)
@@ -62,6 +66,14 @@ def test_a_second_trainer_is_refused_and_touches_nothing(tmp_path: Path, corpus)
     proc = start_training(cfg, out)
     try:
         wait_for(lambda: trained_steps(out) >= 2, proc)
+        yield cfg, out, proc
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+def test_a_second_trainer_is_refused_and_touches_nothing(tmp_path: Path, corpus):
+    with running_trainer(tmp_path, corpus) as (cfg, out, proc):
         stray = out / CKPT_DIR / ".step-00000009.safetensors.x.tmp"  # as a save in progress
         stray.write_bytes(b"half")
         before = (out / "config.yaml").read_bytes()
@@ -70,9 +82,6 @@ def test_a_second_trainer_is_refused_and_touches_nothing(tmp_path: Path, corpus)
             one_error_line(r, f"in use by another attnmt train (pid {proc.pid})")
         assert stray.exists() and (out / "config.yaml").read_bytes() == before
         assert proc.poll() is None  # the first one trains on
-    finally:
-        proc.kill()
-        proc.communicate()
     lock_model_dir(out).close()  # kill -9 released the lock: nothing stale
 
 
@@ -391,27 +400,40 @@ def test_ctrl_c_does_not_wait_for_work_in_a_child():
 # --- issue 22: streaming translate, pipes as inputs ---
 
 
-def test_translate_answers_each_line_before_its_input_closes(model: Path):
+@contextlib.contextmanager
+def lines_answered_one_by_one(proc: subprocess.Popen, write):
+    """On entering: two lines written one at a time with write(line), each answered on proc's
+    stdout before the next is written. The block then closes proc's input; on leaving, proc
+    has ended with 0."""
     import select
 
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "attnmt", "translate", "-m", str(model), "--beam", "2"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
     try:
         for line in (b"w1 w2\n", b"w3\n"):
-            proc.stdin.write(line)
-            proc.stdin.flush()
+            write(line)
             ready, _, _ = select.select([proc.stdout], [], [], 90)
             assert ready, "no translation while the input is still open"
             assert proc.stdout.readline().endswith(b"\n")
-        proc.stdin.close()
+        yield
         assert proc.wait(timeout=60) == 0
     finally:
         proc.kill()
         proc.wait()
         proc.stdout.close()
         proc.stderr.close()
+
+
+def test_translate_answers_each_line_before_its_input_closes(model: Path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "attnmt", "translate", "-m", str(model), "--beam", "2"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+
+    def write(line: bytes) -> None:
+        proc.stdin.write(line)
+        proc.stdin.flush()
+
+    with lines_answered_one_by_one(proc, write):
+        proc.stdin.close()
 
 
 def test_translate_answers_each_line_of_a_fifo_before_its_writer_closes(
@@ -419,27 +441,15 @@ def test_translate_answers_each_line_of_a_fifo_before_its_writer_closes(
 ):
     """The FIFO is opened once: the writer, which starts writing as soon as a reader opens it,
     never meets a closed reader (SIGPIPE), and each line is answered while it stays open."""
-    import select
-
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     proc = subprocess.Popen(
         [sys.executable, "-m", "attnmt", "translate", "-m", str(model), "-i", str(fifo)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
-    try:
-        with open(fifo, "wb", buffering=0) as writer:  # blocks until translate opens it
-            for line in (b"w1 w2\n", b"w3\n"):
-                writer.write(line)
-                ready, _, _ = select.select([proc.stdout], [], [], 90)
-                assert ready, "no translation while the FIFO's writer keeps it open"
-                assert proc.stdout.readline().endswith(b"\n")
-        assert proc.wait(timeout=60) == 0
-    finally:
-        proc.kill()
-        proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
+    writer = open(fifo, "wb", buffering=0)  # noqa: SIM115 (blocks until translate opens it)
+    with lines_answered_one_by_one(proc, writer.write):
+        writer.close()
 
 
 def test_pipes_are_inputs(model: Path, tmp_path: Path, run_cli):
