@@ -272,9 +272,12 @@ class Config(_Section):
 
 
 def _format_error(err: ValidationError) -> str:
-    """One line per problem: key path, bad value, what is allowed."""
-    first = err.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"])
+    """One line per problem: key path, bad value, what is allowed. Where a key takes one of
+    several shapes (a corpus or a list of corpora) the most specific error is shown: the one
+    deepest in the config, which belongs to the shape the value has."""
+    first = max(err.errors(), key=lambda e: len(_key_path(e["loc"])))
+    first = {**first, "loc": _key_path(first["loc"])}
+    loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"]).lstrip(".")
     value = first.get("input")
     kind = first["type"]
     if kind == "extra_forbidden":
@@ -300,14 +303,22 @@ def quote(value: Any, limit: int = 200) -> str:
     return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
+def _key_path(loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A pydantic error location as config keys: the names pydantic gives the members of a
+    union ('list[TrainCorpus]', 'function-after[...]') dropped, list indices kept."""
+    return tuple(p for p in loc if isinstance(p, int) or ("[" not in p and "(" not in p))
+
+
 def _section_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     model: type[BaseModel] = Config
-    for part in loc:
+    for part in (p for p in loc if not isinstance(p, int)):
         field = model.model_fields.get(str(part))
         if field is None:
             return None
         ann = field.annotation
-        candidates = getattr(ann, "__args__", (ann,))
+        candidates = list(getattr(ann, "__args__", (ann,)))
+        for c in list(candidates):  # list[X] inside a union: X
+            candidates += list(getattr(c, "__args__", ()))
         nxt = next(
             (c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None
         )

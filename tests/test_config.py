@@ -95,3 +95,23 @@ def test_load_config_file_errors(tmp_path: Path):
     listy.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         load_config(listy)
+
+
+@pytest.mark.parametrize(
+    ("train", "expected"),
+    [
+        (
+            [{"src": "a", "tgt": "b"}, {"src": "a", "tgt": "b", "colour": "red"}],
+            "config: unknown key 'data.train[1].colour' (value 'red'); allowed keys here: src,",
+        ),
+        ({"src": "a", "tgt": "b", "colour": 1}, "config: unknown key 'data.train.colour'"),
+        ([{"src": "a"}], "config: 'data.train[0]' = {'src': 'a'}: give src and tgt"),
+        ([{"src": "a", "tgt": "b", "weight": -1}], "config: 'data.train[0].weight' = -1:"),
+    ],
+)
+def test_errors_in_a_list_of_corpora_name_the_entry(train, expected):
+    raw = {"data": {"train": train, "dev": {"src": "a", "tgt": "b"}}}
+    with pytest.raises(ConfigError) as e:
+        from_dict(raw)
+    assert str(e.value).startswith(expected), str(e.value)
+    assert "function-after" not in str(e.value) and "list[" not in str(e.value)
