@@ -190,6 +190,7 @@ class TrainConfig(_Section):
     max_epochs: int = Field(100, ge=1)
     batch_tokens: int = Field(4096, ge=1)
     batch_sentences: int | None = Field(None, ge=1)
+    accumulate: int = Field(1, ge=1, le=1024)  # batches per update (gradient accumulation)
     lr: float = Field(5e-4, gt=0.0, le=10.0)
     lr_schedule: Literal["inverse_sqrt", "plateau", "constant", "budget"] = "inverse_sqrt"
     warmup_steps: int = Field(4000, ge=0)

@@ -204,11 +204,14 @@ def train_loop(run: Run) -> dict[str, Any]:
     with StopSignals() as signals, mask_threads(torch.get_num_threads()):
         while stop_reason is None and p.epoch <= t.max_epochs:
             batches = run.sampler.epoch(p.epoch)
-            # One step takes one batch per rank; a remainder too small for every rank is left.
-            while stop_reason is None and p.batch_in_epoch + ranks.world <= len(batches):
-                idx = batches[p.batch_in_epoch + ranks.rank]
-                p.batch_in_epoch += ranks.world
-                result = train_step(run, idx, signals.signum is not None)
+            # One step takes train.accumulate batches per rank; a remainder too small for a
+            # whole step is left.
+            per_step = ranks.world * t.accumulate
+            while stop_reason is None and p.batch_in_epoch + per_step <= len(batches):
+                start = p.batch_in_epoch + ranks.rank
+                idxs = [batches[start + k * ranks.world] for k in range(t.accumulate)]
+                p.batch_in_epoch += per_step
+                result = train_step(run, idxs, signals.signum is not None)
                 if not result.updated:
                     skip_step(run, result)
                 else:
@@ -349,13 +352,22 @@ def log_model(run: Run, resumed: bool) -> None:
     mm_backend = active_backend() if device.type == "cpu" else "blas"
     precision = run.precision
     fp32_cpu = device.type == "cpu" and precision == "fp32"
+    batches = t.accumulate * run.ranks.world  # per update
+    unit = f"{t.batch_sentences:,} sentences" if t.batch_sentences else f"{t.batch_tokens:,} tokens"
     run.log.event(
         "model",
         f"model: {run.cfg.model.arch}, {n_params:,} parameters, device {device}, {precision}"
         + (" (train.precision auto)" if t.precision == "auto" else "")
         + (f", {mm_backend} matmuls" if fp32_cpu else "")
         + (f", {run.ranks.world} processes" if run.ranks.world > 1 else "")
+        + (
+            f" | an update: {batches} batches of up to {unit} ({t.accumulate} accumulated "
+            f"x {run.ranks.world} processes)"
+            if batches > 1
+            else ""
+        )
         + (f" | resumed at step {run.progress.step}" if resumed else ""),
+        batches_per_update=batches,
         arch=run.cfg.model.arch,
         parameters=n_params,
         device=str(device),
@@ -376,19 +388,24 @@ def log_model(run: Run, resumed: bool) -> None:
 # --- one step ---
 
 
-def train_step(run: Run, idx: list[int], signalled: bool) -> StepResult:
-    """Train on the batch of pairs `idx`: forward, backward, clip, and (if every loss and
-    gradient is finite) an optimizer update. `signalled`: this rank received a stop signal."""
+def train_step(run: Run, idxs: list[list[int]], signalled: bool) -> StepResult:
+    """Train on the batches of pairs `idxs` (train.accumulate of them): forward and backward
+    each, their gradients summed, then clip and (if every loss and gradient is finite) one
+    optimizer update. The loss is normalised by the target tokens of all batches (of all
+    ranks), so one update over N batches is one over their union. `signalled`: this rank
+    received a stop signal."""
     t, p, ranks = run.cfg.train, run.progress, run.ranks
-    src, tgt = run.train_data.pairs(idx)
-    batch = collate(src, tgt, idx, PAD_ID, BOS_ID, EOS_ID).to(run.device)
+    batches = [
+        collate(*run.train_data.pairs(idx), idx, PAD_ID, BOS_ID, EOS_ID).to(run.device)
+        for idx in idxs
+    ]
     step = p.step + 1
     if ranks.world > 1:
         torch.manual_seed(distributed.step_seed(t.seed, ranks.rank, p.step))
         run.tf_generator.manual_seed(distributed.step_seed(t.seed + 1, ranks.rank, p.step))
-    n_tokens = batch.n_tokens
-    positions = batch.src.numel() + batch.tgt_out.numel()
-    real = n_tokens + int((~batch.src_pad_mask).sum())
+    n_tokens = sum(b.n_tokens for b in batches)
+    positions = sum(b.src.numel() + b.tgt_out.numel() for b in batches)
+    real = n_tokens + sum(int((~b.src_pad_mask).sum()) for b in batches)
     # Every rank normalises by the tokens of all ranks; DDP's mean of the ranks' gradients is
     # then the gradient of the loss per token of the whole step. The time budget is rank 0's.
     step_tokens, step_positions, step_real, budget_used = ranks.sum(
@@ -399,18 +416,24 @@ def train_step(run: Run, idx: list[int], signalled: bool) -> StepResult:
     lr, tf = step_schedules(step, run.cfg, p.plateau_scale, (budget_used, p.warmup_used))
     for group in run.optimizer.param_groups:
         group["lr"] = lr
-    with run.autocast():
-        loss_sum, _ = run.step_model(batch, tf, t.label_smoothing, run.tf_generator)
-    loss = loss_sum / n_tokens if ranks.world == 1 else loss_sum * (ranks.world / step_tokens)
     run.optimizer.zero_grad(set_to_none=True)
-    run.scaler.scale(loss).backward()
+    total = torch.zeros((), device=run.device)
+    for k, batch in enumerate(batches):
+        # Under DDP only the last batch's backward all-reduces the summed gradients.
+        with no_sync(run, last=k == len(batches) - 1):
+            with run.autocast():
+                loss_sum, _ = run.step_model(batch, tf, t.label_smoothing, run.tf_generator)
+            scale = ranks.world / step_tokens
+            loss = loss_sum / n_tokens if ranks.world == 1 else loss_sum * scale
+            run.scaler.scale(loss).backward()
+        total = total + loss_sum.detach()
     run.scaler.unscale_(run.optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(
         run.model.parameters(), t.clip_grad_norm if t.clip_grad_norm > 0 else math.inf
     )
     # The time budget's share spent after the step is rank 0's (every rank stops together).
     step_loss, signals, used = ranks.sum(
-        [float(loss_sum.detach()), float(signalled), run.budget_used() * ranks.is_main]
+        [float(total), float(signalled), run.budget_used() * ranks.is_main]
     )
     loss_finite, grads_finite = math.isfinite(step_loss), bool(torch.isfinite(grad_norm))
     if loss_finite and grads_finite:
@@ -422,6 +445,14 @@ def train_step(run: Run, idx: list[int], signalled: bool) -> StepResult:
         step, step_loss, step_tokens, step_positions, step_real, lr, tf, loss_finite,
         grads_finite, signals > 0, used,
     )  # fmt: skip
+
+
+def no_sync(run: Run, last: bool) -> contextlib.AbstractContextManager[Any]:
+    """DDP's no_sync (gradients summed locally, not all-reduced) for all but the last batch of
+    an accumulated step; nothing with one process."""
+    if last or run.ranks.world == 1:
+        return contextlib.nullcontext()
+    return cast(Any, run.step_model).no_sync()
 
 
 def skip_step(run: Run, result: StepResult) -> None:

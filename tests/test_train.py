@@ -39,13 +39,15 @@ def events(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("arch", ["transformer", "rnn"])
-def test_resume_is_byte_identical(tmp_path: Path, corpus, arch):
-    raw = config(corpus, arch, max_steps=12, eval_every=4, keep_last=2)
+@pytest.mark.parametrize(
+    ("arch", "accumulate"), [("transformer", 1), ("rnn", 1), ("transformer", 2), ("rnn", 2)]
+)
+def test_resume_is_byte_identical(tmp_path: Path, corpus, arch, accumulate):
+    raw = config(corpus, arch, max_steps=12, eval_every=4, keep_last=2, accumulate=accumulate)
     train(from_dict(raw), tmp_path / "full", quiet=True)
     # Interrupted at step 4 (a run that ends there), resumed to step 12 (the max_steps change
     # is allowed on resume).
-    raw_k = config(corpus, arch, max_steps=4, eval_every=4, keep_last=2)
+    raw_k = config(corpus, arch, max_steps=4, eval_every=4, keep_last=2, accumulate=accumulate)
     train(from_dict(raw_k), tmp_path / "part", quiet=True)
     summary = train(from_dict(raw), tmp_path / "part", resume=True, quiet=True)
     assert summary["steps"] == 12
@@ -380,7 +382,7 @@ def test_setup_builds_a_fresh_run(run):
 def test_train_step_updates_and_reports(run):
     idx = run.sampler.epoch(1)[0]
     before = weights_of(run.model)
-    result = train_mod.train_step(run, idx, False)
+    result = train_mod.train_step(run, [idx], False)
     assert result.updated and result.step == 1 and not result.signalled
     assert result.tokens == sum(len(run.train_data.tgt[i]) + 1 for i in idx)
     assert 0 < result.real <= result.positions
@@ -388,7 +390,7 @@ def test_train_step_updates_and_reports(run):
     assert (result.lr, result.teacher_forcing) == train_mod.step_schedules(1, run.cfg, 1.0)
     assert not torch.equal(before, weights_of(run.model))
     assert run.progress.step == 0, "the loop, not the step, counts steps"
-    assert train_mod.train_step(run, idx, True).signalled
+    assert train_mod.train_step(run, [idx], True).signalled
 
 
 def test_a_nonfinite_step_changes_nothing_and_is_counted(run, monkeypatch):
@@ -396,7 +398,7 @@ def test_a_nonfinite_step_changes_nothing_and_is_counted(run, monkeypatch):
     before = weights_of(run.model)
     loss = run.model.loss
     monkeypatch.setattr(run, "step_model", lambda *a: (loss(*a)[0] * float("nan"), 0))
-    result = train_mod.train_step(run, idx, False)
+    result = train_mod.train_step(run, [idx], False)
     assert not result.updated and not result.loss_finite
     assert torch.equal(before, weights_of(run.model))
     for n in range(1, run.cfg.train.max_bad_steps):
@@ -405,6 +407,49 @@ def test_a_nonfinite_step_changes_nothing_and_is_counted(run, monkeypatch):
     with pytest.raises(TrainingError, match="steps in a row had a non-finite loss"):
         train_mod.skip_step(run, result)
     assert [e["in_a_row"] for e in events(run.out) if e["event"] == "nonfinite"][-1] == 10
+
+
+def set_up(raw: dict, out: Path) -> train_mod.Run:
+    train_mod.prepare_output_dir(out, overwrite=False, resume=False)
+    log = train_mod.RunLog(out, quiet=True)
+    return train_mod.setup(
+        from_dict(raw), out, False, train_mod.distributed.Ranks(), torch.device("cpu"), log
+    )
+
+
+@pytest.mark.parametrize("arch", ["transformer", "rnn"])
+def test_accumulated_batches_update_as_their_union(tmp_path: Path, corpus, arch):
+    """In float64, without dropout: one step over two batches gives the gradients, loss and
+    tokens of one step over the union of their pairs."""
+    found = []
+    for n, split in enumerate((True, False)):
+        raw = config(corpus, arch, clip_grad_norm=0.0, accumulate=2 if split else 1)
+        raw["model"].update(dropout=0.0, attention_dropout=0.0)
+        raw["train"]["teacher_forcing"] = {"schedule": "constant", "start": 1.0, "end": 1.0}
+        run = set_up(raw, tmp_path / str(n))
+        run.model.double()
+        idx = [int(i) for i in run.sampler.epoch(1)[0]]
+        halves = [idx[: len(idx) // 2], idx[len(idx) // 2 :]]
+        result = train_mod.train_step(run, halves if split else [idx], False)
+        found.append((result, [p.grad.clone() for p in run.model.parameters()]))
+        run.log.close()
+    (acc, acc_grads), (union, union_grads) = found
+    assert acc.tokens == union.tokens and acc.loss == pytest.approx(union.loss, rel=1e-12)
+    for a, u in zip(acc_grads, union_grads, strict=True):
+        torch.testing.assert_close(a, u, rtol=1e-10, atol=1e-12)
+
+
+def test_accumulation_takes_n_batches_per_step_and_logs_the_update(tmp_path: Path, corpus):
+    raw = config(corpus, max_steps=3, eval_every=3, accumulate=3)
+    train(from_dict(raw), tmp_path / "m", quiet=True)
+    model = next(e for e in events(tmp_path / "m") if e["event"] == "model")
+    assert model["batches_per_update"] == 3
+    assert "an update: 3 batches" in (tmp_path / "m" / "train.log").read_text()
+    run = set_up(config(corpus, eval_every=1000), tmp_path / "one")
+    per_batch = len(run.sampler.epoch(1))
+    run.log.close()
+    steps = next(e for e in events(tmp_path / "m") if e["event"] == "done")["steps"]
+    assert steps == min(3, per_batch // 3)
 
 
 def test_schedules_of_a_step_share_its_number(run):
