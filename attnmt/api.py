@@ -32,6 +32,7 @@ from attnmt.device import (
     missing_hardware,
     resolve_device,
 )
+from attnmt.ensemble import Ensemble
 from attnmt.errors import AttnmtError
 from attnmt.evaluate import Scores, Translation, for_decoding, score, score_translations
 from attnmt.evaluate import translate as run_search
@@ -52,22 +53,29 @@ class Translator:
     device: torch.device
     matmul: str  # blas or onednn
     workers: int = 1  # batches searched at once (CPU only)
+    members: tuple[Config, ...] = ()  # an ensemble's configs, the first being cfg
 
     @classmethod
     def load(
         cls,
-        model_dir: str | Path,
+        model_dir: str | Path | Sequence[str | Path],
         device: str = "auto",
         weights: str = "best",
         precision: str | None = None,
         matmul: str | None = None,
         workers: int | None = None,
     ) -> Translator:
-        """Load a model directory: `weights` best, last, averaged, step-N or a path; device
-        auto, cpu or cuda; precision fp32, bf16 or fp16 (default decode.precision); matmul
-        auto, blas or onednn (default decode.matmul); workers: batches searched at once
+        """Load a model directory, or several as an ensemble (the mean of their log-
+        probabilities at each step; they must share their SentencePiece models; the first
+        one's decode section applies): `weights` best, last, averaged, step-N or a path;
+        device auto, cpu or cuda; precision fp32, bf16 or fp16 (default decode.precision);
+        matmul auto, blas or onednn (default decode.matmul); workers: batches searched at once
         (default decode.workers; CPU only). Notes go to stderr."""
-        model_dir = Path(model_dir)
+        dirs = (
+            [Path(model_dir)] if isinstance(model_dir, str | Path) else list(map(Path, model_dir))
+        )
+        if not dirs:
+            raise AttnmtError("no model directory given")
         for flag, value, allowed, expected in (
             ("--device", device, DEVICES, choices(DEVICES)),
             ("--precision", precision, PRECISIONS, choices(PRECISIONS)),
@@ -78,9 +86,15 @@ class Translator:
         dev = resolve_device(device)
         if workers is not None and workers > 1 and dev.type != "cpu":
             raise AttnmtError(f"--workers {workers}: parallel batches are for CPU decoding only")
-        cfg, tokenizer, net = load_model_dir(model_dir, weights, dev)
-        if weights == "best" and not (model_dir / BEST_FILE).is_file():
-            _note(f"{model_dir} has no {BEST_FILE} yet; using {LAST_FILE}")
+        loaded = [load_model_dir(d, weights, dev) for d in dirs]
+        for d in dirs:
+            if weights == "best" and not (d / BEST_FILE).is_file():
+                _note(f"{d} has no {BEST_FILE} yet; using {LAST_FILE}")
+        cfg, tokenizer, net = loaded[0]
+        for d, (_, other, _) in zip(dirs[1:], loaded[1:], strict=True):
+            _check_same_tokenizer(dirs[0], tokenizer, d, other)
+        if len(loaded) > 1:
+            net = Ensemble([m for _, _, m in loaded])
         precision = precision or cfg.decode.precision
         backend = resolve(matmul or cfg.decode.matmul)
         limit_onednn_kernel_cache(dev, precision, backend)  # as training does
@@ -88,7 +102,8 @@ class Translator:
             _note(f"{lacking}; {precision} decoding is emulated and may be slower than fp32")
         # More than one worker only on the CPU: threads share a GPU's stream for nothing.
         n_workers = (workers or cfg.decode.workers) if dev.type == "cpu" else 1
-        return cls(cfg, tokenizer, for_decoding(net, precision), dev, backend, n_workers)
+        members = tuple(c for c, _, _ in loaded)
+        return cls(cfg, tokenizer, for_decoding(net, precision), dev, backend, n_workers, members)
 
     def translate(
         self,
@@ -149,8 +164,9 @@ class Translator:
         """Which attention to return with each hypothesis, checked against the model: a
         Transformer's decoder layer (-1: the top) and head (None: the mean of heads); the rnn
         model has one attention, whatever they say."""
-        m = self.cfg.model
-        if m.arch == "transformer":
+        for m in (c.model for c in self.members or (self.cfg,)):  # an ensemble: every model
+            if m.arch != "transformer":
+                continue
             if not -m.dec_layers <= layer < m.dec_layers:
                 raise AttnmtError(
                     f"--attention-layer {layer}: the decoder has {m.dec_layers} layers"
@@ -225,6 +241,18 @@ class Translator:
         if len(hypotheses) != len(references):
             raise AttnmtError(f"{len(hypotheses)} hypotheses but {len(references)} references")
         return score(hypotheses, references)
+
+
+def _check_same_tokenizer(dir_a: Path, a: Tokenizer, dir_b: Path, b: Tokenizer) -> None:
+    """An ensemble's models read and write the same pieces: the same SentencePiece files."""
+    files_a, files_b = a.files(), b.files()
+    for name in sorted(set(files_a) | set(files_b)):
+        if files_a.get(name) != files_b.get(name):
+            other = name if name in files_b else next(iter(files_b))
+            raise AttnmtError(
+                f"an ensemble needs one vocabulary: {dir_a / name} and {dir_b / other} are "
+                "different SentencePiece models"
+            )
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:

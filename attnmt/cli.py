@@ -118,7 +118,9 @@ def train(
 
 @app.command()
 def translate(
-    model: Annotated[Path, typer.Option("--model", "-m", help="Trained model directory.")],
+    model: Annotated[list[Path], typer.Option(
+        "--model", "-m", metavar="DIR",
+        help="Trained model directory (more than once: an ensemble).")],
     input: Annotated[Path | None, typer.Option(
         "--input", "-i", help="Input file (default: stdin).")] = None,
     output: Annotated[Path | None, typer.Option(
@@ -252,7 +254,9 @@ def plot(
 
 @app.command()
 def serve(
-    model: Annotated[Path, typer.Option("--model", "-m", help="Trained model directory.")],
+    model: Annotated[list[Path], typer.Option(
+        "--model", "-m", metavar="DIR",
+        help="Trained model directory (more than once: an ensemble).")],
     host: Annotated[str, typer.Option("--host", help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port.")] = 8000,
     max_lines: Annotated[int, typer.Option(
@@ -282,8 +286,9 @@ def serve(
 
     translator = Translator.load(model, device, weights, precision, matmul, workers)
     limits = Limits(max_lines, max_chars, max_queue, batch_wait_ms)
-    app_ = create_app(translator, limits, str(model))
-    typer.echo(f"attnmt: serving {model} on http://{host}:{port} (docs: /docs)", err=True)
+    name = " + ".join(map(str, model))
+    app_ = create_app(translator, limits, name)
+    typer.echo(f"attnmt: serving {name} on http://{host}:{port} (docs: /docs)", err=True)
     uvicorn.run(app_, host=host, port=port, log_level="warning")
 
 
@@ -292,8 +297,9 @@ def evaluate(
     ref: Annotated[Path, typer.Option("--ref", "-r", help="Reference translations.")],
     hyp: Annotated[Path | None, typer.Option(
         "--hyp", help="Translations to score (instead of --model).")] = None,
-    model: Annotated[Path | None, typer.Option(
-        "--model", "-m", help="Model directory to translate --src.")] = None,
+    model: Annotated[list[Path] | None, typer.Option(
+        "--model", "-m", metavar="DIR",
+        help="Model directory to translate --src (more than once: an ensemble).")] = None,
     src: Annotated[Path | None, typer.Option(
         "--src", "-s", help="Source file, with --model.")] = None,
     output: Annotated[Path | None, typer.Option(

@@ -67,12 +67,13 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float 
     raise AssertionError("server did not come up")
 
 
-def test_serve_answers_the_cli_lines_to_20_concurrent_clients(trained, run_cli):
+@pytest.mark.parametrize("copies", [1, 2])  # 2: an ensemble of the model with itself
+def test_serve_answers_the_cli_lines_to_20_concurrent_clients(trained, run_cli, copies):
     model, _ = trained
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "attnmt", "serve", "-m", str(model), "--port", str(port),
-         "--device", "cpu"],
+        [sys.executable, "-m", "attnmt", "serve", *["-m", str(model)] * copies, "--port",
+         str(port), "--device", "cpu"],
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
