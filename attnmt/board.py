@@ -45,12 +45,16 @@ class Board:
         for tag, key in SCALARS.get(kind, {}).items():
             if fields.get(key) is not None:
                 self.writer.add_scalar(tag, fields[key], self.step)
+        for name, row in fields.get("directions", {}).items():  # several dev sets
+            for key in ("dev_loss", "dev_bleu", "dev_chrf"):
+                self.writer.add_scalar(f"dev/{name}/{key[4:]}", row[key], self.step)
         if kind == "samples":
             self.writer.add_text("dev/examples", _table(fields["examples"]), self.step)
         elif kind == "test":
+            where = f"/{fields['direction']}" if "direction" in fields else ""
             for metric in ("bleu", "chrf"):
                 self.writer.add_scalar(
-                    f"test/{metric}_{fields['weights']}", fields[metric], self.step
+                    f"test/{metric}_{fields['weights']}{where}", fields[metric], self.step
                 )
         self.writer.flush()
 

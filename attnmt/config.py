@@ -37,6 +37,9 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+LANGUAGE = r"^[A-Za-z][A-Za-z0-9_-]{0,15}$"  # a language code: en, pt-BR, zh_Hant
+
+
 class SplitConfig(_Section):
     """A parallel corpus: two aligned files (src, tgt), or one TSV file whose 1-based fields
     src_field and tgt_field hold the two sides (as `cut -f` counts)."""
@@ -46,6 +49,8 @@ class SplitConfig(_Section):
     tsv: Path | None = None
     src_field: int = Field(1, ge=1, le=1000)
     tgt_field: int = Field(2, ge=1, le=1000)
+    src_lang: str | None = Field(None, pattern=LANGUAGE)  # e.g. de: its direction's name
+    tgt_lang: str | None = Field(None, pattern=LANGUAGE)  # several in a run: multilingual
 
     @model_validator(mode="after")
     def _one_source(self) -> SplitConfig:
@@ -68,6 +73,13 @@ class SplitConfig(_Section):
         """The file to name in messages about the corpus as a whole (its source side)."""
         return self.files[0]
 
+    @property
+    def direction(self) -> str:
+        """'de-en' from its languages (where not given: '?'), or the source file's name."""
+        if self.src_lang is None and self.tgt_lang is None:
+            return self.name.name
+        return f"{self.src_lang or '?'}-{self.tgt_lang or '?'}"
+
 
 class TrainCorpus(SplitConfig):
     """A training corpus; in a list of several, `weight` sets its share of the pairs seen."""
@@ -77,21 +89,54 @@ class TrainCorpus(SplitConfig):
 
 class DataConfig(_Section):
     train: TrainCorpus | list[TrainCorpus]
-    dev: SplitConfig
-    test: SplitConfig | None = None
+    dev: SplitConfig | list[SplitConfig]  # a list: one set per direction (multilingual)
+    test: SplitConfig | list[SplitConfig] | None = None
     max_len: int = Field(100, ge=1, le=100_000)
     workers: int = Field(0, ge=0, le=256)  # encoding processes; 0: the cores available
 
     @model_validator(mode="after")
     def _some_corpus(self) -> DataConfig:
-        if isinstance(self.train, list) and not self.train:
-            raise ValueError("data.train: the list of corpora is empty")
+        for key in ("train", "dev", "test"):
+            if getattr(self, key) == []:
+                raise ValueError(f"data.{key}: the list of corpora is empty")
+        if self.multilingual:  # every corpus and set says which language it translates into
+            for key, splits in (("train", self.train), ("dev", self.dev), ("test", self.test)):
+                for i, split in enumerate(splits if isinstance(splits, list) else [splits]):
+                    where = f"data.{key}[{i}]" if isinstance(splits, list) else f"data.{key}"
+                    if split is not None and split.tgt_lang not in self.target_langs:
+                        raise ValueError(
+                            f"{where}.tgt_lang = {split.tgt_lang!r}: a multilingual run's sets "
+                            f"each name a target language of its training corpora "
+                            f"({', '.join(self.target_langs)})"
+                        )
         return self
 
     @property
     def corpora(self) -> list[TrainCorpus]:
         """The training corpora, one or several."""
         return self.train if isinstance(self.train, list) else [self.train]
+
+    @property
+    def dev_sets(self) -> list[SplitConfig]:
+        """The dev sets, one or several (one per direction)."""
+        return self.dev if isinstance(self.dev, list) else [self.dev]
+
+    @property
+    def test_sets(self) -> list[SplitConfig]:
+        """The test sets: none, one or several."""
+        return (
+            [] if self.test is None else self.test if isinstance(self.test, list) else [self.test]
+        )
+
+    @property
+    def target_langs(self) -> list[str]:
+        """The target languages the training corpora name, sorted."""
+        return sorted({c.tgt_lang for c in self.corpora if c.tgt_lang is not None})
+
+    @property
+    def multilingual(self) -> bool:
+        """More than one target language: every source gets a target-language token."""
+        return len(self.target_langs) > 1
 
 
 class TokenizerConfig(_Section):
@@ -288,6 +333,8 @@ def _format_error(err: ValidationError) -> str:
     if kind == "missing":
         return f"config: missing required key '{loc}'"
     msg = first["msg"].removeprefix("Value error, ")
+    if loc and msg.startswith(loc):  # a section's check that names the key itself
+        return f"config: {msg}"
     where = f"'{loc}' = {quote(value)}: " if loc else ""
     return f"config: {where}{msg}"
 

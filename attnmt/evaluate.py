@@ -41,6 +41,7 @@ def translate(
     workers: int = 1,
     first_line: int = 0,
     matmul: str | None = None,
+    prefix: Sequence[int] = (),
 ) -> list[list[Translation]]:
     """Translate each line: options.n_best translations per input, in input order.
 
@@ -51,13 +52,15 @@ def translate(
     workers > 1 searches that many batches at once, sharing the intra-op threads (see
     processes.map_batches); the results do not depend on it. `matmul`: the CPU fp32 matmul
     backend (blas or onednn) to search with; None: the one in use here (kernels.matmul_backend).
+    `prefix`: ids before every source (a multilingual model's target-language tag), shown as
+    source pieces.
     """
     was_training = model.training
     model.eval()
     empty = Translation("", 0.0, [], [], None)
     outputs: list[list[Translation]] = [[empty] * options.n_best for _ in lines]
     todo = [i for i, line in enumerate(lines) if line.strip()]
-    src = [[*s, EOS_ID] for s in tokenizer.src.encode([lines[i].strip() for i in todo])]
+    src = [[*prefix, *s, EOS_ID] for s in tokenizer.src.encode([lines[i].strip() for i in todo])]
     for j, ids in enumerate(src):
         if len(ids) > options.max_src_len:  # one very long line must not stall the rest
             print(
@@ -123,13 +126,15 @@ def translate_lines(
     batch_tokens: int,
     device: torch.device | str = "cpu",
     workers: int = 1,
+    prefix: Sequence[int] = (),
 ) -> list[str]:
     """The best translation of each line as text; exactly one output per input, in order."""
     assert options.n_best == 1, "translate_lines gives one translation per line"
     n1 = replace(options, attention=None, scores=False)
     found = translate(
-        model, tokenizer, lines, n1, batch_tokens=batch_tokens, device=device, workers=workers
-    )
+        model, tokenizer, lines, n1, batch_tokens=batch_tokens, device=device, workers=workers,
+        prefix=prefix,
+    )  # fmt: skip
     return [t[0].text for t in found]
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from attnmt import distributed
 from attnmt.checkpoint import CONFIG_FILE, write_run_files
-from attnmt.config import Config, from_dict, read_yaml
+from attnmt.config import Config, DataConfig, SplitConfig, from_dict, read_yaml
 from attnmt.data import ParallelText, read_split_text
-from attnmt.errors import DataError
+from attnmt.errors import ConfigError, DataError
 from attnmt.processes import run_in_child
 from attnmt.resume import check_resumable
 from attnmt.runlog import RunLog, log_data
@@ -24,7 +24,7 @@ from attnmt.store import (
     default_workers,
     open_store,
 )
-from attnmt.tokenizer import Tokenizer
+from attnmt.tokenizer import Tokenizer, language_tag
 
 
 @dataclass
@@ -35,22 +35,51 @@ class EncodedSplit:
     tgt: list[list[int]]
 
 
-def encode_split(text: ParallelText, tokenizer: Tokenizer) -> EncodedSplit:
-    return EncodedSplit(tokenizer.src.encode(text.src), tokenizer.tgt.encode(text.tgt))
+def encode_split(text: ParallelText, tokenizer: Tokenizer, prefix: list[int] = []) -> EncodedSplit:  # noqa: B006 (read only)
+    """A split's pairs as ids; `prefix` before every source (a target-language tag)."""
+    src = [[*prefix, *s] for s in tokenizer.src.encode(text.src)]
+    return EncodedSplit(src, tokenizer.tgt.encode(text.tgt))
+
+
+@dataclass
+class DevSet:
+    """A dev set of one direction: its name (de-en), text, ids, and the source prefix (the
+    target-language tag of a multilingual model, else empty)."""
+
+    name: str
+    text: ParallelText
+    encoded: EncodedSplit
+    prefix: list[int]
+
+
+def source_prefix(data: DataConfig, tokenizer: Tokenizer, lang: str | None) -> list[int]:
+    """What goes before a source translated into `lang`: its tag in a multilingual run."""
+    if not data.multilingual:
+        return []
+    tag = tokenizer.tag_id(str(lang))
+    assert tag is not None, "make_tokenizer checked the tags"
+    return [tag]
+
+
+def set_names(splits: list[SplitConfig]) -> list[str]:
+    """Each set's direction (de-en), numbered where two share one."""
+    names = [s.direction for s in splits]
+    return [n if names.count(n) == 1 else f"{n}#{i + 1}" for i, n in enumerate(names)]
 
 
 def prepare_data(
     cfg: Config, out: Path, ranks: distributed.Ranks, resuming: bool, log: RunLog
-) -> tuple[Tokenizer, TokenStore, EncodedSplit, ParallelText]:
+) -> tuple[Tokenizer, TokenStore, list[DevSet]]:
     """Train the tokenizer on the training files read as a stream (rank 0; loaded when
     resuming), write the run files, encode the training pairs into the memory-mapped store
     (rank 0; reused by --resume after checking that the files did not change; the other ranks
-    map it), and read and encode the dev set."""
+    map it), and read and encode the dev sets."""
     data = cfg.data
-    files = [f for split in (*data.corpora, data.dev) for f in split.files]
-    dev_text = read_split_text(data.dev)
-    if not dev_text.src:
-        raise DataError(f"{data.dev.name}: no sentence pairs with text on both sides")
+    files = [f for split in (*data.corpora, *data.dev_sets) for f in split.files]
+    texts = [read_split_text(split) for split in data.dev_sets]
+    for split, text in zip(data.dev_sets, texts, strict=True):
+        if not text.src:
+            raise DataError(f"{split.name}: no sentence pairs with text on both sides")
     if resuming:
         check_resumable(from_dict(read_yaml(out / CONFIG_FILE)), cfg)
     if ranks.is_main:
@@ -62,21 +91,37 @@ def prepare_data(
         tokenizer = Tokenizer.load(out, cfg.tokenizer.joint)
     store = open_store(out)
     assert store is not None
-    log_data(log, store, dev_text, tokenizer)
-    return tokenizer, store, encode_split(dev_text, tokenizer), dev_text
+    log_data(log, store, texts, tokenizer)
+    dev_sets = []
+    for split, name, text in zip(data.dev_sets, set_names(data.dev_sets), texts, strict=True):
+        prefix = source_prefix(data, tokenizer, split.tgt_lang)
+        dev_sets.append(DevSet(name, text, encode_split(text, tokenizer, prefix), prefix))
+    return tokenizer, store, dev_sets
 
 
 def make_tokenizer(cfg: Config, out: Path, resuming: bool) -> Tokenizer:
     """The run's own (resuming), the fine-tuned model's (train.init_from), the given one
-    (tokenizer.model), or a new one trained on a sample of the training data."""
-    joint = cfg.tokenizer.joint
+    (tokenizer.model), or a new one trained on a sample of the training data; in a
+    multilingual run with a tag for each target language (language_tag)."""
+    joint, langs = cfg.tokenizer.joint, cfg.data.target_langs
+    tags = [language_tag(lang) for lang in langs] if cfg.data.multilingual else []
     if resuming:
-        return Tokenizer.load(out, joint)
-    if cfg.train.init_from is not None:
-        return Tokenizer.load(cfg.train.init_from, joint)
-    if cfg.tokenizer.given is not None:
-        return Tokenizer.from_files(cfg.tokenizer.given)
-    return Tokenizer.train_on_files(cfg.data.corpora, cfg.tokenizer, cfg.train.seed)
+        tokenizer, source = Tokenizer.load(out, joint), f"--out {out}"
+    elif cfg.train.init_from is not None:
+        tokenizer = Tokenizer.load(cfg.train.init_from, joint)
+        source = f"train.init_from {cfg.train.init_from}"
+    elif cfg.tokenizer.given is not None:
+        tokenizer, source = Tokenizer.from_files(cfg.tokenizer.given), "tokenizer.model"
+    else:
+        return Tokenizer.train_on_files(cfg.data.corpora, cfg.tokenizer, cfg.train.seed, tags)
+    missing = [tag for tag, lang in zip(tags, langs, strict=True) if tokenizer.tag_id(lang) is None]
+    if missing:
+        raise ConfigError(
+            f"{source}: its source SentencePiece model has no {', '.join(missing)} piece(s), "
+            "which a multilingual run puts before each source; train a tokenizer with them "
+            "(user_defined_symbols) or leave tokenizer.model out"
+        )
+    return tokenizer
 
 
 def ensure_store(
@@ -100,9 +145,10 @@ def ensure_store(
     data = cfg.data
     protos = (tokenizer.src.proto, tokenizer.tgt.proto)
     workers = data.workers or default_workers()
+    prefixes = [source_prefix(data, tokenizer, c.tgt_lang) for c in data.corpora]
 
     def encode() -> bytes:
-        build_store(out, list(data.corpora), protos, data.max_len, workers, files)
+        build_store(out, list(data.corpora), protos, data.max_len, workers, files, prefixes)
         return b""
 
     run_in_child(encode)

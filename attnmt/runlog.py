@@ -168,9 +168,14 @@ def log_corpora(log: RunLog, cfg: Config, sampler: BucketSampler) -> None:
     )  # fmt: skip
 
 
-def log_data(log: RunLog, store: TokenStore, dev_text: ParallelText, tokenizer: Tokenizer) -> None:
-    """The `data` event: pair counts of both splits, what was skipped, the vocabularies."""
+def log_data(
+    log: RunLog, store: TokenStore, dev_texts: list[ParallelText], tokenizer: Tokenizer
+) -> None:
+    """The `data` event: pair counts of both splits (every dev set together), what was
+    skipped, the vocabularies."""
     meta, joint = store.meta, " (joint)" if tokenizer.joint else ""
+    dev_pairs = sum(len(t.src) for t in dev_texts)
+    dev_empty = sum(t.skipped_empty for t in dev_texts)
     if not len(store):
         raise DataError(
             f"every training pair is longer than data.max_len = {meta['max_len']} subwords"
@@ -179,13 +184,13 @@ def log_data(log: RunLog, store: TokenStore, dev_text: ParallelText, tokenizer: 
         "data",
         f"train: {len(store)} pairs ({meta['skipped_empty']} skipped as empty, "
         f"{meta['skipped_too_long']} longer than {meta['max_len']} subwords) | dev: "
-        f"{len(dev_text.src)} pairs ({dev_text.skipped_empty} skipped as empty) | vocab: "
+        f"{dev_pairs} pairs ({dev_empty} skipped as empty) | vocab: "
         f"{len(tokenizer.src)} src, {len(tokenizer.tgt)} tgt{joint}",
         train_pairs=len(store),
         train_skipped_empty=meta["skipped_empty"],
         train_skipped_too_long=meta["skipped_too_long"],
-        dev_pairs=len(dev_text.src),
-        dev_skipped_empty=dev_text.skipped_empty,
+        dev_pairs=dev_pairs,
+        dev_skipped_empty=dev_empty,
         src_vocab=len(tokenizer.src),
         tgt_vocab=len(tokenizer.tgt),
     )

@@ -82,17 +82,23 @@ class _Encoder:
     """Encodes chunks of pairs in a forked worker (processes.imap_forked), which gets it, and
     its SentencePiece processors, by memory."""
 
-    def __init__(self, protos: tuple[bytes, bytes], max_len: int, dtype: type) -> None:
+    def __init__(
+        self, protos: tuple[bytes, bytes], max_len: int, dtype: type, prefix: list[int]
+    ) -> None:
         import sentencepiece as spm
 
         self.vocabs = [spm.SentencePieceProcessor(model_proto=p) for p in protos]
-        self.max_len, self.dtype = max_len, dtype
+        self.max_len, self.dtype, self.prefix = max_len, dtype, prefix
 
     def __call__(self, pairs: list[tuple[str, str]]) -> tuple[np.ndarray, ...]:
-        """Encode a chunk of pairs; drop those with a side longer than max_len subwords.
-        Returns (src tokens, src lengths, tgt tokens, tgt lengths) of the kept pairs."""
-        src, src_len = _encode_side([s for s, _ in pairs], self.vocabs[0], self.dtype)
-        tgt, tgt_len = _encode_side([t for _, t in pairs], self.vocabs[1], self.dtype)
+        """Encode a chunk of pairs, `prefix` (a target-language tag) before each source; drop
+        those with a side longer than max_len subwords. Returns (src tokens, src lengths, tgt
+        tokens, tgt lengths) of the kept pairs."""
+        src_ids = self.vocabs[0].encode([s for s, _ in pairs])
+        if self.prefix:
+            src_ids = [[*self.prefix, *ids] for ids in src_ids]
+        src, src_len = _flat(src_ids, self.dtype)
+        tgt, tgt_len = _flat(self.vocabs[1].encode([t for _, t in pairs]), self.dtype)
         keep = (src_len <= self.max_len) & (tgt_len <= self.max_len)
         if keep.all():
             return src, src_len, tgt, tgt_len
@@ -102,8 +108,8 @@ class _Encoder:
         )  # fmt: skip
 
 
-def _encode_side(lines: list[str], vocab: Any, dtype: type) -> tuple[np.ndarray, np.ndarray]:
-    ids = vocab.encode(lines)
+def _flat(ids: list[list[int]], dtype: type) -> tuple[np.ndarray, np.ndarray]:
+    """Sentences of ids as one flat array and their lengths."""
     lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
     flat = np.fromiter((i for seq in ids for i in seq), dtype=dtype, count=int(lengths.sum()))
     return flat, lengths
@@ -163,6 +169,7 @@ def build_store(
     max_len: int,
     workers: int,
     fingerprinted: list[Path],
+    prefixes: list[list[int]] | None = None,
 ) -> dict[str, Any]:
     """Encode the training pairs into out/encoded/ (built beside it, renamed when complete)
     and return its metadata, with the fingerprint of the files `fingerprinted` (the training
@@ -177,9 +184,9 @@ def build_store(
     dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
     counts, writer = PairCounts(), _Writer(tmp)
     corpus_pairs = []  # pairs kept per corpus; corpus c's are contiguous, after c - 1's
-    encoder = _Encoder(protos, max_len, dtype)
-    for split in corpora:
+    for i, split in enumerate(corpora):
         before = writer.pairs
+        encoder = _Encoder(protos, max_len, dtype, prefixes[i] if prefixes else [])
         chunks = _chunks(read_split(split, counts), CHUNK_PAIRS)
         for encoded in imap_forked(encoder, chunks, workers, ENCODING_WORKER_DIED):
             writer.add(*encoded)

@@ -26,11 +26,18 @@ PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 SAMPLE_SENTENCES = 2_000_000  # SentencePiece trains on at most this many sentences
 
 
+def language_tag(lang: str) -> str:
+    """The piece put before a multilingual model's source to ask for target language `lang`
+    (Johnson et al. 2017, https://arxiv.org/abs/1611.04558): <2en>."""
+    return f"<2{lang}>"
+
+
 def train_sentencepiece(
     sentences: Iterable[str],
     vocab_size: int,
     model_type: str = "unigram",
     character_coverage: float = 1.0,
+    symbols: Sequence[str] = (),
 ) -> bytes:
     """Train a SentencePiece model in-process and return the serialized model.
 
@@ -40,7 +47,7 @@ def train_sentencepiece(
     """
     buf = io.BytesIO()
     try:
-        _train(sentences, buf, vocab_size, model_type, character_coverage)
+        _train(sentences, buf, vocab_size, model_type, character_coverage, symbols)
     except RuntimeError as e:
         message = str(e)
         need = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", message)
@@ -60,7 +67,10 @@ def _train(
     vocab_size: int,
     model_type: str,
     character_coverage: float,
+    symbols: Sequence[str],
 ) -> None:
+    # `symbols` (language tags) are user-defined pieces: always one piece, never split.
+    extra = {"user_defined_symbols": list(symbols)} if symbols else {}
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(sentences),
         model_writer=buf,
@@ -77,6 +87,7 @@ def _train(
         shuffle_input_sentence=False,
         max_sentence_length=1 << 16,
         minloglevel=2,
+        **extra,
     )
 
 
@@ -98,7 +109,11 @@ def reservoir_sample(items: Iterator[str], k: int, rng: random.Random) -> list[s
 
 
 def _train_on_sample(
-    corpora: list[SplitConfig], sides: tuple[int, ...], cfg: TokenizerConfig, seed: int
+    corpora: list[SplitConfig],
+    sides: tuple[int, ...],
+    cfg: TokenizerConfig,
+    seed: int,
+    symbols: Sequence[str] = (),
 ) -> bytes:
     """A SentencePiece model of the corpora's sides `sides` (0: source, 1: target), trained on
     a random sample of their sentences drawn with `seed`. The whole corpus is read (and
@@ -107,7 +122,9 @@ def _train_on_sample(
     sample = reservoir_sample(sentences, SAMPLE_SENTENCES, random.Random(seed))
     if not sample:
         raise DataError(f"{corpora[0].name}: no sentence pairs with text on both sides")
-    return train_sentencepiece(sample, cfg.vocab_size, cfg.model_type, cfg.character_coverage)
+    return train_sentencepiece(
+        sample, cfg.vocab_size, cfg.model_type, cfg.character_coverage, symbols
+    )
 
 
 _CONTROL, _UNKNOWN = 3, 2  # ModelProto.SentencePiece.Type
@@ -227,18 +244,25 @@ class Tokenizer:
 
     @classmethod
     def train_on_files(
-        cls, corpora: list[SplitConfig], cfg: TokenizerConfig, seed: int
+        cls, corpora: list[SplitConfig], cfg: TokenizerConfig, seed: int, tags: Sequence[str] = ()
     ) -> Tokenizer:
         """Train on a parallel corpus read as a stream (never held whole; pairs validated as
-        attnmt.data.read_pairs does), sampled with `seed`, each model in a child process."""
+        attnmt.data.read_pairs does), sampled with `seed`, each model in a child process;
+        `tags` (language tags) are pieces of the source (or joint) model."""
 
-        def trained(sides: tuple[int, ...]) -> SubwordVocab:
-            return SubwordVocab(run_in_child(partial(_train_on_sample, corpora, sides, cfg, seed)))
+        def trained(sides: tuple[int, ...], symbols: Sequence[str]) -> SubwordVocab:
+            work = partial(_train_on_sample, corpora, sides, cfg, seed, symbols)
+            return SubwordVocab(run_in_child(work))
 
         if cfg.joint:
-            vocab = trained((0, 1))
+            vocab = trained((0, 1), tags)
             return cls(vocab, vocab)
-        return cls(trained((0,)), trained((1,)))
+        return cls(trained((0,), tags), trained((1,), ()))
+
+    def tag_id(self, lang: str) -> int | None:
+        """The source id of language `lang`'s tag (language_tag), None if it has none."""
+        i = self.src.sp.piece_to_id(language_tag(lang))
+        return None if i == UNK_ID else int(i)
 
     @classmethod
     def from_files(cls, paths: list[Path]) -> Tokenizer:

@@ -46,7 +46,7 @@ from attnmt.checkpoint import (
     tokenizer_shas,
 )
 from attnmt.config import Config
-from attnmt.data import BucketSampler, ParallelText, collate, read_test_set
+from attnmt.data import BucketSampler, collate
 from attnmt.device import (
     PRECISION_DTYPES,
     limit_onednn_kernel_cache,
@@ -56,12 +56,11 @@ from attnmt.device import (
     resolve_precision,
 )
 from attnmt.errors import CheckpointError, ConfigError, TrainingError, TrainingInterrupted
-from attnmt.evaluate import score, score_translations, translate_lines
 from attnmt.finetune import inherit
 from attnmt.kernels import mask_threads, matmul_backend
 from attnmt.kernels.matmul import active as active_backend
 from attnmt.model import build_model
-from attnmt.prepare import EncodedSplit, prepare_data
+from attnmt.prepare import DevSet, prepare_data
 from attnmt.resume import Progress, rng_state, seed_everything, set_rng_state
 from attnmt.runlog import (
     METRIC_NAMES,
@@ -73,7 +72,7 @@ from attnmt.runlog import (
     log_corpora,
 )
 from attnmt.schedules import step_schedules
-from attnmt.search import search_options
+from attnmt.scoring import dev_loss, score_dev_sets, score_test_sets
 from attnmt.seq2seq import Seq2Seq
 from attnmt.store import TokenStore
 from attnmt.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
@@ -81,25 +80,6 @@ from attnmt.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
 def all_finite(model: Seq2Seq) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in model.parameters())
-
-
-@torch.no_grad()
-def dev_loss(model: Seq2Seq, split: EncodedSplit, batch_tokens: int, device: torch.device) -> float:
-    """Mean per-token cross-entropy (no label smoothing) over the dev set."""
-    model.eval()
-    sampler = BucketSampler(
-        [len(s) + 1 for s in split.src], [len(t) + 1 for t in split.tgt], batch_tokens, seed=0
-    )
-    total, tokens = 0.0, 0
-    for idx in sampler.epoch(0):
-        batch = collate(
-            [split.src[i] for i in idx], [split.tgt[i] for i in idx], idx, PAD_ID, BOS_ID, EOS_ID
-        ).to(device)
-        loss, n = model.loss(batch)
-        total += float(loss)
-        tokens += n
-    model.train()
-    return total / max(tokens, 1)
 
 
 class StopSignals:
@@ -138,8 +118,7 @@ class Run:
     log: RunLog
     tokenizer: Tokenizer
     train_data: TokenStore
-    dev_data: EncodedSplit
-    dev_text: ParallelText
+    dev_sets: list[DevSet]  # one per direction
     model: Seq2Seq
     step_model: nn.Module  # what runs a step: the model, or its DDP / compiled wrapper
     optimizer: torch.optim.Optimizer
@@ -236,7 +215,7 @@ def train_loop(run: Run) -> dict[str, Any]:
     bar.close()
     if p.last_validated != p.step:
         validate(run)
-    if ranks.is_main and run.cfg.data.test is not None and (run.out / BEST_FILE).is_file():
+    if ranks.is_main and run.cfg.data.test_sets and (run.out / BEST_FILE).is_file():
         test_with(run, run.out / BEST_FILE, "best")
     if ranks.is_main and t.average_last:
         average_at_end(run)
@@ -262,9 +241,7 @@ def setup(
     tf_generator = seed_everything(t.seed)
     start_time = time.time()
     checkpoint = latest_checkpoint(out) if resume else None
-    tokenizer, train_data, dev_data, dev_text = prepare_data(
-        cfg, out, ranks, checkpoint is not None, log
-    )
+    tokenizer, train_data, dev_sets = prepare_data(cfg, out, ranks, checkpoint is not None, log)
     model = build_checked_model(cfg, tokenizer, device)
     model.to(device).train()
     optimizer = torch.optim.Adam(  # fused: one kernel for all parameters, not a few per tensor
@@ -286,7 +263,7 @@ def setup(
         log_corpora(log, cfg, sampler)
     precision = resolve_precision(t.precision, device)
     run = Run(
-        cfg, out, ranks, device, log, tokenizer, train_data, dev_data, dev_text, model, model,
+        cfg, out, ranks, device, log, tokenizer, train_data, dev_sets, model, model,
         optimizer,
         # fp16 needs loss scaling to keep small gradients from underflowing; bf16, fp32 do not.
         torch.amp.GradScaler(device.type, enabled=precision == "fp16"),
@@ -336,7 +313,9 @@ def start_from(run: Run, source_dir: Path) -> None:
     """Fine-tuning: load the source model's best weights; log them with their dev loss."""
     weights = resolve_weights(source_dir, "best")
     load_weights(run.model, weights, run.device, run.tokenizer_digest)
-    loss = dev_loss(run.model, run.dev_data, run.cfg.train.eval_batch_tokens, run.device)
+    batch_tokens = run.cfg.train.eval_batch_tokens
+    losses = [dev_loss(run.model, d.encoded, batch_tokens, run.device) for d in run.dev_sets]
+    loss = sum(losses) / len(losses)
     run.log.event(
         "init_from",
         f"fine-tuning from {weights} | step-0 dev loss {loss:.3f}",
@@ -352,7 +331,7 @@ def log_model(run: Run, resumed: bool) -> None:
     mm_backend = active_backend() if device.type == "cpu" else "blas"
     precision = run.precision
     fp32_cpu = device.type == "cpu" and precision == "fp32"
-    batches = t.accumulate * run.ranks.world  # per update
+    batches = t.accumulate * run.ranks.world  # per update: accumulated x processes
     unit = f"{t.batch_sentences:,} sentences" if t.batch_sentences else f"{t.batch_tokens:,} tokens"
     run.log.event(
         "model",
@@ -360,12 +339,7 @@ def log_model(run: Run, resumed: bool) -> None:
         + (" (train.precision auto)" if t.precision == "auto" else "")
         + (f", {mm_backend} matmuls" if fp32_cpu else "")
         + (f", {run.ranks.world} processes" if run.ranks.world > 1 else "")
-        + (
-            f" | an update: {batches} batches of up to {unit} ({t.accumulate} accumulated "
-            f"x {run.ranks.world} processes)"
-            if batches > 1
-            else ""
-        )
+        + (f" | an update: {batches} batches of up to {unit}" if batches > 1 else "")
         + (f" | resumed at step {run.progress.step}" if resumed else ""),
         batches_per_update=batches,
         arch=run.cfg.model.arch,
@@ -532,13 +506,9 @@ def validate_main(run: Run) -> bool:
     Returns True when patience ran out."""
     p, t, model = run.progress, run.cfg.train, run.model
     started = time.time()
-    loss = dev_loss(model, run.dev_data, t.eval_batch_tokens, run.device)
-    hyps = translate_lines(
-        model, run.tokenizer, run.dev_text.src, search_options(run.cfg.decode, beam=t.eval_beam),
-        batch_tokens=t.eval_batch_tokens, device=run.device,
-    )  # fmt: skip
-    scores = score(hyps, run.dev_text.tgt)
-    metric = {"bleu": scores.bleu, "chrf": scores.chrf, "loss": -loss}[t.early_stopping]
+    dev = score_dev_sets(run.model, run.tokenizer, run.dev_sets, run.cfg, run.device)
+    loss = dev.loss
+    metric = {"bleu": dev.bleu, "chrf": dev.chrf, "loss": -loss}[t.early_stopping]
     finite = math.isfinite(loss) and all_finite(model)
     improved = finite and metric > p.best_score
     if improved:
@@ -561,22 +531,24 @@ def validate_main(run: Run) -> bool:
     run.log.event(
         "validation",
         f"step {p.step} | epoch {p.epoch} | dev loss {loss:.3f}{star['loss']} | ppl {ppl:.2f} | "
-        f"BLEU {scores.bleu:.2f}{star['bleu']} | chrF {scores.chrf:.2f}{star['chrf']} | "
-        f"lr {lr:.2e} | tf {tf:.2f} | {run.elapsed():.0f} s",
+        f"BLEU {dev.bleu:.2f}{star['bleu']} | chrF {dev.chrf:.2f}{star['chrf']} | "
+        f"lr {lr:.2e} | tf {tf:.2f} | {run.elapsed():.0f} s"
+        + "".join(f" | {n} BLEU {r['dev_bleu']:.2f}" for n, r in dev.directions.items()),
         step=p.step,
         epoch=p.epoch,
         dev_loss=loss,
         dev_ppl=ppl,
-        dev_bleu=scores.bleu,
-        dev_chrf=scores.chrf,
+        dev_bleu=dev.bleu,
+        dev_chrf=dev.chrf,
         metric=t.early_stopping,
         best=p.best_score if t.early_stopping != "loss" else -p.best_score,
         improved=improved,
         lr=lr,
         teacher_forcing=tf,
         elapsed_s=round(run.elapsed(), 1),
+        **({"directions": dev.directions} if dev.directions else {}),
     )
-    log_samples(run, hyps)
+    log_samples(run, dev.hyps)
     return p.bad_validations >= t.patience
 
 
@@ -586,7 +558,7 @@ def log_samples(run: Run, hyps: list[str]) -> None:
     n = min(run.cfg.train.log_samples, len(hyps))
     if n == 0:
         return
-    text = run.dev_text
+    text = run.dev_sets[0].text
     rows = [{"src": text.src[i], "ref": text.tgt[i], "hyp": hyps[i]} for i in range(n)]
     lines = [
         f"  example {i + 1} | src: {r['src']} | ref: {r['ref']} | hyp: {r['hyp']}"
@@ -643,35 +615,43 @@ def average_at_end(run: Run) -> None:
     run.log.event(
         "average", f"averaged steps {', '.join(map(str, steps))} -> {path.name}", steps=steps
     )
-    if run.cfg.data.test is not None:
+    if run.cfg.data.test_sets:
         test_with(run, path, "averaged")
 
 
 def test_with(run: Run, weights: Path, which: str) -> None:
-    """Translate data.test with the weights in `weights` (`which`: best or averaged) and log
-    its BLEU and chrF, scored as `attnmt eval` scores it (every line counts)."""
+    """Translate each data.test set with the weights in `weights` (`which`: best or averaged)
+    and log its BLEU and chrF, scored as `attnmt eval` scores it (every line counts); with
+    several sets (directions), their mean too."""
     cfg = run.cfg
-    assert cfg.data.test is not None
-    sources, references = read_test_set(cfg.data.test)
     load_weights(run.model, weights, run.device, run.tokenizer_digest)
-    s, _ = score_translations(
-        lambda lines: translate_lines(
-            run.model, run.tokenizer, lines, search_options(cfg.decode),
-            batch_tokens=cfg.train.eval_batch_tokens, device=run.device,
-        ),
-        sources,
-        references,
-    )  # fmt: skip
-    run.log.event(
-        "test",
-        f"test ({cfg.data.test.name.name}, {which} weights, beam {cfg.decode.beam}): "
-        f"BLEU {s.bleu:.2f} | chrF {s.chrf:.2f} | {s.bleu_signature}",
-        pairs=len(sources),
-        weights=which,
-        beam=cfg.decode.beam,
-        empty_sources=sum(not line.strip() for line in sources),
-        **s.as_dict(),
-    )
+    results = score_test_sets(run.model, run.tokenizer, cfg, run.device)
+    several = len(results) > 1
+    for r in results:
+        run.log.event(
+            "test",
+            f"test ({r.split.name.name}{f', {r.name}' if several else ''}, {which} weights, "
+            f"beam {cfg.decode.beam}): BLEU {r.scores.bleu:.2f} | chrF {r.scores.chrf:.2f} | "
+            f"{r.scores.bleu_signature}",
+            pairs=r.pairs,
+            weights=which,
+            beam=cfg.decode.beam,
+            empty_sources=r.empty_sources,
+            **({"direction": r.name} if several else {}),
+            **r.scores.as_dict(),
+        )
+    if several:
+        bleu = sum(r.scores.bleu for r in results) / len(results)
+        chrf = sum(r.scores.chrf for r in results) / len(results)
+        run.log.event(
+            "test",
+            f"test (mean of {len(results)} directions, {which} weights): BLEU {bleu:.2f} | "
+            f"chrF {chrf:.2f}",
+            weights=which,
+            direction="mean",
+            bleu=round(bleu, 2),
+            chrf=round(chrf, 2),
+        )
 
 
 def finish(run: Run, stop_reason: str) -> dict[str, Any]:

@@ -99,7 +99,7 @@ def test_nonfinite_steps_are_skipped_then_stop(tmp_path: Path, corpus, monkeypat
 
 
 def test_nonfinite_dev_score_is_never_best(tmp_path: Path, corpus, monkeypatch):
-    monkeypatch.setattr(train_mod, "dev_loss", lambda *a, **k: float("nan"))
+    monkeypatch.setattr("attnmt.scoring.dev_loss", lambda *a, **k: float("nan"))
     train(from_dict(config(corpus, max_steps=4)), tmp_path / "m", quiet=True)
     assert not (tmp_path / "m" / "best.safetensors").exists()
     assert (tmp_path / "m" / "last.safetensors").exists()
@@ -374,7 +374,7 @@ def weights_of(model) -> torch.Tensor:
 def test_setup_builds_a_fresh_run(run):
     assert run.progress.step == 0 and run.progress.epoch == 1
     assert run.step_model is run.model and run.model.training
-    assert len(run.train_data.src) == 300 and len(run.dev_data.src) == 20
+    assert len(run.train_data.src) == 300 and len(run.dev_sets[0].encoded.src) == 20
     assert (run.out / "config.yaml").is_file() and (run.out / "spm.model").is_file()
     assert [e["event"] for e in events(run.out)] == ["data", "model"]
 
@@ -470,7 +470,7 @@ def test_validate_saves_weights_checkpoint_and_logs_the_trained_steps_ratio(run)
     # JoeyNMT-style examples: the first dev sentences with reference and translation
     assert samples["event"] == "samples" and samples["step"] == 4
     assert [(e["src"], e["ref"]) for e in samples["examples"]] == list(
-        zip(run.dev_text.src[:3], run.dev_text.tgt[:3], strict=True)
+        zip(run.dev_sets[0].text.src[:3], run.dev_sets[0].text.tgt[:3], strict=True)
     )
     assert "  example 3 | src: " in (run.out / "train.log").read_text()
     run.progress.bad_validations = run.cfg.train.patience - 1

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import sentencepiece as spm
 
-import attnmt.train as train_mod
 from attnmt.checkpoint import load_model_dir
 from attnmt.config import from_dict, parse_duration
 from attnmt.data import read_split_text
 from attnmt.errors import ConfigError
 from attnmt.prepare import encode_split
 from attnmt.schedules import budget_lr
+from attnmt.scoring import dev_loss
 from attnmt.tokenizer import Tokenizer
 from attnmt.train import train
 
@@ -44,7 +44,7 @@ def test_fine_tuning_starts_from_the_source_weights_and_tokenizer(tmp_path: Path
     init = next(e for e in events(out) if e["event"] == "init_from")
     _, tokenizer, model = load_model_dir(source_dir)
     dev = encode_split(read_split_text(from_dict(raw).data.dev), tokenizer)
-    assert init["dev_loss"] == pytest.approx(train_mod.dev_loss(model, dev, 8000, "cpu"), abs=1e-6)
+    assert init["dev_loss"] == pytest.approx(dev_loss(model, dev, 8000, "cpu"), abs=1e-6)
     assert (out / "spm.model").read_bytes() == (source_dir / "spm.model").read_bytes()
     cfg, _, _ = load_model_dir(out)
     assert cfg.model.hidden_size == 16 and cfg.model.dropout == 0.2
