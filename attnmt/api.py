@@ -91,8 +91,13 @@ class Translator:
             if weights == "best" and not (d / BEST_FILE).is_file():
                 _note(f"{d} has no {BEST_FILE} yet; using {LAST_FILE}")
         cfg, tokenizer, net = loaded[0]
-        for d, (_, other, _) in zip(dirs[1:], loaded[1:], strict=True):
+        for d, (other_cfg, other, _) in zip(dirs[1:], loaded[1:], strict=True):
             _check_same_tokenizer(dirs[0], tokenizer, d, other)
+            if other_cfg.data.target_langs != cfg.data.target_langs:
+                raise AttnmtError(
+                    f"an ensemble translates into one set of languages: {dirs[0]} into "
+                    f"{cfg.data.target_langs}, {d} into {other_cfg.data.target_langs}"
+                )
         if len(loaded) > 1:
             net = Ensemble([m for _, _, m in loaded])
         precision = precision or cfg.decode.precision
@@ -112,10 +117,14 @@ class Translator:
         length_penalty: float | None = None,
         batch_tokens: int | None = None,
         workers: int | None = None,
+        target_lang: str | None = None,
     ) -> list[str]:
         """The best translation of each line, in order (beam: default decode.beam; 1 is
-        greedy). An empty line gives an empty translation."""
-        found = self.hypotheses(lines, beam, 1, length_penalty, batch_tokens, workers)
+        greedy), into target_lang (a multilingual model needs it). An empty line gives an
+        empty translation."""
+        found = self.hypotheses(
+            lines, beam, 1, length_penalty, batch_tokens, workers, target_lang=target_lang
+        )
         return [h[0].text for h in found]
 
     def hypotheses(
@@ -127,11 +136,12 @@ class Translator:
         batch_tokens: int | None = None,
         workers: int | None = None,
         sampling: tuple[float, int, int] | None = None,
+        target_lang: str | None = None,
     ) -> list[list[Translation]]:
         """The n_best translations of each line with their scores (Translation.text, .score);
         `sampling` = (temperature, top_k, seed) draws n_best instead of searching."""
         options = self.options(beam, n_best, length_penalty, sampling=sampling)
-        return self.search(lines, options, batch_tokens, workers)
+        return self.search(lines, options, batch_tokens, workers, target_lang=target_lang)
 
     def options(
         self,
@@ -175,6 +185,31 @@ class Translator:
                 raise AttnmtError(f"--attention-head {head}: the model has {m.heads} heads")
         return AttentionSpec(layer, head)
 
+    @property
+    def target_langs(self) -> list[str]:
+        """The languages the model translates into, as its training corpora name them (none
+        named: empty); a multilingual model has several."""
+        return self.cfg.data.target_langs
+
+    def source_prefix(self, target_lang: str | None) -> list[int]:
+        """The ids before every source: a multilingual model's tag of `target_lang`, which it
+        needs; nothing for a bilingual model (which takes its own target language, or none)."""
+        langs = self.target_langs
+        if target_lang is not None and langs and target_lang not in langs:
+            raise AttnmtError(
+                f"--target-lang {target_lang!r}: this model translates into {', '.join(langs)}"
+            )
+        if not self.cfg.data.multilingual:
+            return []
+        if target_lang is None:
+            raise AttnmtError(
+                f"a multilingual model: give --target-lang ({', '.join(langs)}; in the API "
+                'target_lang=, over HTTP "target_lang")'
+            )
+        tag = self.tokenizer.tag_id(target_lang)
+        assert tag is not None, "training put every target language's tag in the tokenizer"
+        return [tag]
+
     def search(
         self,
         lines: Sequence[str],
@@ -182,9 +217,11 @@ class Translator:
         batch_tokens: int | None = None,
         workers: int | None = None,
         first_line: int = 0,
+        target_lang: str | None = None,
     ) -> list[list[Translation]]:
         """Search (or sample) with `options` over lines: what the other methods call.
-        `first_line`: the number of lines before these in a longer input (sampling seeds)."""
+        `first_line`: the number of lines before these in a longer input (sampling seeds);
+        `target_lang`: the language to translate into (a multilingual model needs it)."""
         if isinstance(lines, str) or not isinstance(lines, Sequence):
             raise AttnmtError("lines: expected a list of sentences (one str: wrap it in a list)")
         for i, line in enumerate(lines):
@@ -194,10 +231,12 @@ class Translator:
             _check_int("batch_tokens", batch_tokens, 1, 1 << 40)
         if workers is not None:
             _check_int("workers", workers, 1, 64)
+        prefix = self.source_prefix(target_lang)
         return run_search(
             self.model, self.tokenizer, list(lines), options,
             batch_tokens=batch_tokens or self.cfg.decode.batch_tokens, device=self.device,
             workers=workers or self.workers, first_line=first_line, matmul=self.matmul,
+            prefix=prefix,
         )  # fmt: skip
 
     def stream(
@@ -206,6 +245,7 @@ class Translator:
         options: SearchOptions,
         batch_tokens: int | None = None,
         workers: int | None = None,
+        target_lang: str | None = None,
     ) -> Iterator[tuple[list[str], list[list[Translation]]]]:
         """Translate a stream chunk by chunk, yielding each chunk's lines and their results as
         soon as they are done: memory stays bounded whatever the input's length.
@@ -219,18 +259,26 @@ class Translator:
         else:
             lines = iter(source)
             chunks = iter(lambda: list(itertools.islice(lines, CHUNK_LINES)), [])
+        self.source_prefix(target_lang)  # a missing or unknown language fails before reading
         done = 0  # lines translated so far
         for chunk in chunks:
-            yield chunk, self.search(chunk, options, batch_tokens, workers, first_line=done)
+            found = self.search(chunk, options, batch_tokens, workers, done, target_lang)
+            yield chunk, found
             done += len(chunk)
 
     def score_test_set(
-        self, sources: list[str], references: list[str], beam: int | None = None
+        self,
+        sources: list[str],
+        references: list[str],
+        beam: int | None = None,
+        target_lang: str | None = None,
     ) -> tuple[Scores, list[str]]:
         """Translate a test set (data.read_test_set) and score it with sacreBLEU (BLEU, chrF):
         every line counts, as in the `test` event at the end of training. Returns the scores
         and the translations."""
-        return score_translations(lambda s: self.translate(s, beam=beam), sources, references)
+        return score_translations(
+            lambda s: self.translate(s, beam=beam, target_lang=target_lang), sources, references
+        )
 
     @staticmethod
     def score(hypotheses: Sequence[str], references: Sequence[str]) -> Scores:

@@ -486,6 +486,10 @@ def write_run_files(out: Path, cfg: Config, tokenizer: Tokenizer) -> None:
         "joint": tokenizer.joint,
         "model": cfg.model.model_dump(mode="json"),
         "sha256": tokenizer_shas(tokenizer),
+        # [source, target] language of each training corpus (null where not given), and
+        # whether each source starts with a target-language tag (a multilingual model).
+        "directions": [[c.src_lang, c.tgt_lang] for c in cfg.data.corpora],
+        "multilingual": cfg.data.multilingual,
     }
     atomic_write_bytes(out / META_FILE, json.dumps(meta, indent=2).encode("utf-8"))
 

@@ -54,6 +54,14 @@ MatmulOption = Annotated[
         help="CPU fp32 matmuls: auto, blas or onednn (default: config).",
     ),
 ]
+TargetLangOption = Annotated[
+    str | None,
+    typer.Option(
+        "--target-lang",
+        metavar="LANG",
+        help="A multilingual model: the language to translate into.",
+    ),
+]
 WorkersOption = Annotated[
     int | None,
     typer.Option(
@@ -154,6 +162,7 @@ def translate(
     workers: WorkersOption = None,
     precision: PrecisionOption = None,
     matmul: MatmulOption = None,
+    target_lang: TargetLangOption = None,
 ) -> None:  # fmt: skip
     """Translate text, one line in, one line out (beam search, greedy with --beam 1, or
     --sampling: --n-best K draws K per line)."""
@@ -179,7 +188,7 @@ def translate(
     # Written chunk by chunk as each is done: a line sent alone through a pipe or typed at a
     # terminal is answered at once.
     with OutputSink(output) as sink:
-        for lines, results in translator.stream(source, options, batch_tokens):
+        for lines, results in translator.stream(source, options, batch_tokens, None, target_lang):
             sink.write(_format(results, n_best, done))
             if spec is not None:
                 maps.write([r[0] for r in results], first=done + 1)
@@ -312,6 +321,7 @@ def evaluate(
     workers: WorkersOption = None,
     precision: PrecisionOption = None,
     matmul: MatmulOption = None,
+    target_lang: TargetLangOption = None,
 ) -> None:  # fmt: skip
     """Score translations with sacreBLEU (BLEU, chrF); translate --src first if --model is given."""
     from attnmt.config import SplitConfig
@@ -333,7 +343,7 @@ def evaluate(
 
         assert model is not None
         translator = Translator.load(model, device, weights, precision, matmul, workers)
-        s, hyps = translator.score_test_set(lines, refs, beam)
+        s, hyps = translator.score_test_set(lines, refs, beam, target_lang)
         if output is not None:
             atomic_write_bytes(output, "".join(h + "\n" for h in hyps).encode("utf-8"))
     if as_json:

@@ -486,11 +486,10 @@ def load_config(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> Conf
 def resolve_paths(cfg: Config, base: Path) -> Config:
     """Return a copy of cfg with every data path made absolute against base."""
     data = cfg.data.model_copy(deep=True)
-    for split in (*data.corpora, data.dev, data.test):
-        if split is not None:
-            for key in ("src", "tgt", "tsv"):
-                if getattr(split, key) is not None:
-                    setattr(split, key, (base / getattr(split, key)).absolute())
+    for split in (*data.corpora, *data.dev_sets, *data.test_sets):
+        for key in ("src", "tgt", "tsv"):
+            if getattr(split, key) is not None:
+                setattr(split, key, (base / getattr(split, key)).absolute())
     tok = cfg.tokenizer.model_copy(deep=True)
     for key in ("model", "src_model", "tgt_model"):
         if getattr(tok, key) is not None:

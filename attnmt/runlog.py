@@ -155,13 +155,20 @@ def log_corpora(log: RunLog, cfg: Config, sampler: BucketSampler) -> None:
     shares = sampler.shares()
     total = max(1, sum(shares))
     rows = [
-        {"corpus": str(c.name), "pairs": n, "weight": c.weight, "per_epoch": k, "share": k / total}
+        {
+            "corpus": str(c.name),
+            "direction": c.direction,
+            "pairs": n,
+            "weight": c.weight,
+            "per_epoch": k,
+            "share": k / total,
+        }
         for c, n, k in zip(cfg.data.corpora, sampler.corpus_pairs, shares, strict=True)
     ]
     log.event(
         "corpora",
         "corpora: " + "; ".join(
-            f"{Path(r['corpus']).name}: {r['pairs']:,} pairs, weight {r['weight']:g}, "
+            f"{r['direction']}: {r['pairs']:,} pairs, weight {r['weight']:g}, "
             f"{100 * r['share']:.1f} % of an epoch" for r in rows
         ),
         corpora=rows,

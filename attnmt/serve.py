@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, ValidationError
 
 from attnmt.api import Translator
+from attnmt.errors import AttnmtError
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,9 @@ class Limits:
 class TranslateRequest(BaseModel):
     text: list[str] = Field(description="Sentences to translate, one per item.")
     beam: int | None = Field(None, ge=1, le=100, description="Beam size (default: the model's).")
+    target_lang: str | None = Field(
+        None, description="A multilingual model: the language to translate into."
+    )
 
 
 class TranslateResponse(BaseModel):
@@ -57,6 +61,7 @@ class TranslateResponse(BaseModel):
 class _Job:
     lines: list[str]
     beam: int
+    target_lang: str | None
     future: Future = field(default_factory=Future)
     done: list[str] = field(default_factory=list)  # translations of lines[: len(done)]
     cancelled: bool = False  # its client left: no more work for it
@@ -77,9 +82,9 @@ class Batcher:
         self.batches = 0  # searches run (for /health: batching at work)
         threading.Thread(target=self._run, name="attnmt-search", daemon=True).start()
 
-    def submit(self, lines: list[str], beam: int) -> _Job:
+    def submit(self, lines: list[str], beam: int, target_lang: str | None = None) -> _Job:
         """Queue a job (queue.Full when the queue is full)."""
-        job = _Job(lines, beam)
+        job = _Job(lines, beam, target_lang)
         self.jobs.put_nowait(job)
         return job
 
@@ -103,13 +108,14 @@ class Batcher:
 
     def _take(self, active: list[_Job]) -> dict[_Job, int]:
         """The next batch: {job: how many of its next lines}, one line of each job with the
-        first job's beam in turn, within the batch limits (at least one line)."""
-        beam, limits = active[0].beam, self.limits
+        first job's beam and target language in turn, within the batch limits (at least one
+        line)."""
+        kind, limits = (active[0].beam, active[0].target_lang), self.limits
         taken: dict[_Job, int] = {}
         lines = chars = 0
         while True:
             before = lines
-            for job in (j for j in active if j.beam == beam):
+            for job in (j for j in active if (j.beam, j.target_lang) == kind):
                 i = len(job.done) + taken.get(job, 0)
                 if i == len(job.lines):
                     continue
@@ -125,8 +131,9 @@ class Batcher:
     def _search(self, batch: dict[_Job, int]) -> None:
         parts = [(job, len(job.done), len(job.done) + n) for job, n in batch.items()]
         lines = [line for job, start, end in parts for line in job.lines[start:end]]
+        first = next(iter(batch))
         try:
-            out = self.translator.translate(lines, beam=next(iter(batch)).beam)
+            out = self.translator.translate(lines, beam=first.beam, target_lang=first.target_lang)
         except Exception as e:  # the server answers 500 and keeps serving
             for job in batch:
                 job.future.set_exception(e)
@@ -226,12 +233,15 @@ def create_app(translator: Translator, limits: Limits, name: str = "") -> FastAP
         try:
             request = parse_request(await read_body(http, limits.max_body))
             check_limits(request, limits)
+            translator.source_prefix(request.target_lang)  # a multilingual model needs it
         except RequestError as e:
             return error(e.status, str(e))
+        except AttnmtError as e:
+            return error(422, str(e))
         if not request.text:
             return {"translations": []}
         try:
-            job = batcher.submit(request.text, request.beam or default_beam)
+            job = batcher.submit(request.text, request.beam or default_beam, request.target_lang)
         except queue.Full:
             return error(503, f"{limits.max_queue} requests waiting; try again shortly")
         waiting = asyncio.wrap_future(job.future)
@@ -248,6 +258,7 @@ def create_app(translator: Translator, limits: Limits, name: str = "") -> FastAP
             "status": "ok",
             "model": name,
             "arch": translator.cfg.model.arch,
+            "target_langs": translator.target_langs,
             "queued": batcher.jobs.qsize(),
             "batches": batcher.batches,
         }
