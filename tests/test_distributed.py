@@ -50,3 +50,17 @@ def test_two_processes_train_in_sync_and_resume_exactly(tmp_path: Path, corpus):
     a = (tmp_path / "full" / "last.safetensors").read_bytes()
     b = (tmp_path / "part" / "last.safetensors").read_bytes()
     assert a == b
+
+
+def test_two_processes_accumulate_and_stay_in_sync(tmp_path: Path, corpus):
+    """accumulate 2 under DDP: the first batch's backward skips the all-reduce (no_sync), the
+    last one sums both; the ranks' weights stay identical."""
+    raw = tiny_config(corpus)
+    raw["train"].update({"max_steps": 4, "eval_every": 4, "threads": 1, "accumulate": 2})
+    cfg = write_config(tmp_path / "c.yaml", raw)
+    run = torchrun(cfg, tmp_path / "m")
+    assert run.returncode == 0, run.stderr[-3000:]
+    log = events(tmp_path / "m")
+    assert next(e for e in log if e["event"] == "model")["batches_per_update"] == 4
+    (check,) = [e for e in log if e["event"] == "ranks"]
+    assert check["weights_identical"] and check["world"] == 2
