@@ -59,8 +59,10 @@ def main() -> int:
                 f"train.warmup_steps={args.warmup}",
             )  # fmt: skip
             m = multi_bleu[f"{src}-{tgt}"]
-            rows.append({"direction": f"{src}-{tgt}", "multilingual": m["bleu"],
-                         "bilingual": test["bleu"], "signature": test["bleu_signature"]})  # fmt: skip
+            rows.append({
+                "direction": f"{src}-{tgt}", "multilingual": m["bleu"], "bilingual": test["bleu"],
+                "signature": test["bleu_signature"],
+            })  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
     mean = {k: round(sum(r[k] for r in rows) / len(rows), 2) for k in ("multilingual", "bilingual")}
     print(json.dumps({"direction": "mean", **mean, "minutes_each_side": args.minutes}))
