@@ -47,7 +47,8 @@ def translate(
 
     Sentences are batched by length (longest first, at most batch_tokens source tokens and
     batch_sentences sentences per batch) and put back in order; an empty or whitespace-only
-    line gives empty translations without touching the model. Beam 1 is greedy search.
+    line gives empty translations without touching the model. Each batch is decoded by
+    search.decode with options.method (greedy, beam or sampling).
 
     workers > 1 searches that many batches at once, sharing the intra-op threads (see
     processes.map_batches); the results do not depend on it. `matmul`: the CPU fp32 matmul
