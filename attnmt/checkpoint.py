@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 from attnmt import __version__
 from attnmt.config import Config, from_dict, read_yaml, to_yaml
 from attnmt.errors import CheckpointError
-from attnmt.files import atomic_write, atomic_write_bytes, free_space, read_jsonl
+from attnmt.files import atomic_write, atomic_write_bytes, file_sha256, free_space, read_jsonl
 from attnmt.model import build_model
 from attnmt.seq2seq import Seq2Seq
 from attnmt.tokenizer import MAX_MODEL_BYTES, Tokenizer
@@ -437,7 +437,7 @@ def load_train_state(path: Path) -> dict[str, Any]:
     A file that would run code or build arbitrary objects when unpickled is refused before any
     of its code runs; a sealed one (format 2) whose checksum does not match is refused.
     """
-    state = _load_state(path, path.read_bytes() if path.is_file() else b"")
+    state = _load_state(path, path)
     if state.get("payload") is not None:
         payload = state["payload"].numpy().tobytes()
         if hashlib.sha256(payload).hexdigest() != state.get("sha256"):
@@ -445,14 +445,15 @@ def load_train_state(path: Path) -> dict[str, Any]:
                 f"{path}: damaged: the training state does not match the checksum written "
                 "with it; resume from another checkpoint (--weights step-N keeps them)"
             )
-        state = _load_state(path, payload)
+        state = _load_state(path, io.BytesIO(payload))
     return state
 
 
-def _load_state(path: Path, data: bytes) -> dict[str, Any]:
-    """One torch.load(weights_only=True) of a state's bytes, checked to be attnmt's."""
+def _load_state(path: Path, source: Path | io.BytesIO) -> dict[str, Any]:
+    """One torch.load(weights_only=True) of a state (the file, or its sealed payload),
+    checked to be attnmt's."""
     try:
-        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        state = torch.load(source, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else "unpickling refused"
         raise CheckpointError(
@@ -492,15 +493,6 @@ def write_run_files(out: Path, cfg: Config, tokenizer: Tokenizer) -> None:
         "multilingual": cfg.data.multilingual,
     }
     atomic_write_bytes(out / META_FILE, json.dumps(meta, indent=2).encode("utf-8"))
-
-
-def file_sha256(path: Path) -> str:
-    """SHA-256 of a file, read in blocks (a huge file costs time, never memory)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
 
 
 def check_run_files(model_dir: Path, meta: dict[str, Any], cfg: Config) -> None:

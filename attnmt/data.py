@@ -156,7 +156,8 @@ def read_pairs(
                 f"line counts differ: {src_path} has {n} lines, {tgt_path} has {counts.read}"
             )
         counts.read += 1
-        yield from _kept(s, t, counts, keep_empty)
+        if (pair := _kept(s, t, counts, keep_empty)) is not None:
+            yield pair
     rest = sum(1 for _ in tgt)
     if rest:
         raise DataError(
@@ -165,15 +166,16 @@ def read_pairs(
         )
 
 
-def _kept(s: str, t: str, counts: PairCounts, keep_empty: bool) -> Iterator[tuple[str, str]]:
-    """The pair (s, t) stripped if both sides have text (counted as empty if not), or as it is
-    with keep_empty."""
+def _kept(s: str, t: str, counts: PairCounts, keep_empty: bool) -> tuple[str, str] | None:
+    """The pair (s, t) stripped if both sides have text (None, counted as empty, if not), or
+    as it is with keep_empty. A plain function, not a generator: it runs once per pair."""
     if keep_empty:
-        yield s, t
-    elif s.strip() and t.strip():
-        yield s.strip(), t.strip()
-    else:
-        counts.empty += 1
+        return s, t
+    s, t = s.strip(), t.strip()
+    if s and t:
+        return s, t
+    counts.empty += 1
+    return None
 
 
 def read_tsv(
@@ -196,7 +198,9 @@ def read_tsv(
                 f"{path}:{counts.read}: {len(fields)} tab-separated field(s); src_field "
                 f"{src_field} and tgt_field {tgt_field} need {need}"
             )
-        yield from _kept(fields[src_field - 1], fields[tgt_field - 1], counts, keep_empty)
+        pair = _kept(fields[src_field - 1], fields[tgt_field - 1], counts, keep_empty)
+        if pair is not None:
+            yield pair
 
 
 def read_split(

@@ -23,7 +23,7 @@ from torch import nn
 
 from attnmt.checkpoint import load_model_dir
 from attnmt.errors import AttnmtError
-from attnmt.files import free_space
+from attnmt.files import free_space, reason
 from attnmt.transformer import (
     DecoderLayer,
     EncoderLayer,
@@ -82,8 +82,9 @@ def export_ctranslate2(
             shutil.rmtree(out)
         os.replace(tmp, out)
     except (OSError, RuntimeError) as e:  # a full disk, RLIMIT_FSIZE: CTranslate2 or ours
-        reason = getattr(e, "strerror", None) or str(e).strip().splitlines()[0][:200]
-        raise AttnmtError(f"{out}: cannot write the export ({reason}; {free_space(tmp)})") from None
+        raise AttnmtError(
+            f"{out}: cannot write the export ({reason(e)}; {free_space(tmp)})"
+        ) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return sorted(p.name for p in out.iterdir())

@@ -10,6 +10,7 @@ an error, never a silent truncation.
 from __future__ import annotations
 
 import errno
+import hashlib
 import io
 import json
 import os
@@ -51,11 +52,21 @@ def free_space(path: Path) -> str:
         return "free space unknown"
 
 
-def _reason(e: BaseException) -> str:
+def reason(e: BaseException) -> str:
+    """An exception as a message's short reason: an OSError's strerror, else its first line."""
     if isinstance(e, OSError) and e.strerror:
         return e.strerror
     text = str(e).strip()
     return text.splitlines()[0][:200] if text else type(e).__name__
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a file, read in blocks (a huge file costs time, never memory)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
 
 
 def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
@@ -67,7 +78,7 @@ def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     except OSError as e:
-        raise WriteError(f"{path}: cannot write ({_reason(e)})") from None
+        raise WriteError(f"{path}: cannot write ({reason(e)})") from None
     os.close(fd)
     try:
         write(Path(tmp))
@@ -80,7 +91,7 @@ def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
         Path(tmp).unlink(missing_ok=True)
         if isinstance(e, AttnmtError):
             raise
-        raise WriteError(f"{path}: cannot write ({_reason(e)}; {free_space(path.parent)})") from e
+        raise WriteError(f"{path}: cannot write ({reason(e)}; {free_space(path.parent)})") from e
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -132,7 +143,7 @@ def write_fd(fd: int, text: str, name: str) -> None:
         if e.errno == errno.EPIPE:
             os.dup2(os.open(os.devnull, os.O_WRONLY), fd)  # no second error at exit
             raise SystemExit(141) from None
-        raise WriteError(f"cannot write to {name} ({_reason(e)})") from None
+        raise WriteError(f"cannot write to {name} ({reason(e)})") from None
 
 
 class OutputSink:
@@ -149,7 +160,7 @@ class OutputSink:
             try:
                 self.direct = os.open(path, os.O_WRONLY)
             except OSError as e:
-                raise WriteError(f"{path}: cannot write ({_reason(e)})") from None
+                raise WriteError(f"{path}: cannot write ({reason(e)})") from None
             return
         if path is not None and path.is_symlink():
             self.path = path = path.resolve()
@@ -157,7 +168,7 @@ class OutputSink:
             try:
                 fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
             except OSError as e:
-                raise WriteError(f"{path}: cannot write ({_reason(e)})") from None
+                raise WriteError(f"{path}: cannot write ({reason(e)})") from None
             self.tmp, self.file = Path(tmp), os.fdopen(fd, "wb")
 
     def write(self, text: str) -> None:
@@ -171,7 +182,7 @@ class OutputSink:
             self.file.write(text.encode("utf-8"))
         except OSError as e:
             raise WriteError(
-                f"{self.path}: cannot write ({_reason(e)}; {free_space(self.tmp.parent)})"
+                f"{self.path}: cannot write ({reason(e)}; {free_space(self.tmp.parent)})"
             ) from None
 
     def __enter__(self) -> OutputSink:
@@ -194,7 +205,7 @@ class OutputSink:
                 fsync_dir(path.parent)
         except OSError as e:
             raise WriteError(
-                f"{path}: cannot write ({_reason(e)}; {free_space(path.parent)})"
+                f"{path}: cannot write ({reason(e)}; {free_space(path.parent)})"
             ) from None
         finally:
             tmp.unlink(missing_ok=True)
@@ -210,7 +221,7 @@ def read_jsonl(path: Path) -> list[tuple[int, dict]]:
     try:
         data = path.read_bytes()
     except OSError as e:
-        raise AttnmtError(f"{path}: cannot read ({_reason(e)})") from None
+        raise AttnmtError(f"{path}: cannot read ({reason(e)})") from None
     lines = data.split(b"\n")
     torn = lines.pop() if lines else b""  # after the last newline: empty, or a cut line
     events = []

@@ -28,7 +28,7 @@ import numpy as np
 from attnmt.config import SplitConfig
 from attnmt.data import PairCounts, Ragged, read_split
 from attnmt.errors import DataError
-from attnmt.files import atomic_write_bytes, fsync_dir
+from attnmt.files import atomic_write_bytes, file_sha256, fsync_dir
 from attnmt.processes import imap_forked
 
 STORE_DIR = "encoded"
@@ -217,11 +217,7 @@ STORE_FILES = ("src.tokens", "src.offsets", "tgt.tokens", "tgt.offsets")
 
 
 def _file_record(path: Path) -> dict[str, Any]:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return {"size": path.stat().st_size, "sha256": h.hexdigest()}
+    return {"size": path.stat().st_size, "sha256": file_sha256(path)}
 
 
 def damage(store: TokenStore, vocab_sizes: tuple[int, int]) -> str | None:

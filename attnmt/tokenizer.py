@@ -16,6 +16,7 @@ import sentencepiece as spm
 
 from attnmt.data import read_corpora
 from attnmt.errors import CheckpointError, ConfigError, DataError
+from attnmt.files import reason
 from attnmt.processes import run_in_child
 
 if TYPE_CHECKING:
@@ -275,7 +276,7 @@ class Tokenizer:
                 vocabs.append(SubwordVocab(conform(proto, path)))
             except (OSError, RuntimeError, ValueError) as e:
                 raise ConfigError(
-                    f"{path}: not a usable SentencePiece model ({_first(e)})"
+                    f"{path}: not a usable SentencePiece model ({reason(e)})"
                 ) from None
         return cls(vocabs[0], vocabs[-1])
 
@@ -296,7 +297,7 @@ class Tokenizer:
             try:
                 vocabs.append(SubwordVocab(read_model_file(path)))
             except (OSError, RuntimeError, ValueError) as e:
-                raise CheckpointError(f"{path}: not a SentencePiece model ({_first(e)})") from None
+                raise CheckpointError(f"{path}: not a SentencePiece model ({reason(e)})") from None
         return cls(vocabs[0], vocabs[-1])  # joint: the same object twice
 
 
@@ -310,8 +311,3 @@ def read_model_file(path: Path) -> bytes:
     if size > MAX_MODEL_BYTES:
         raise ValueError(f"{size:,} bytes, more than a SentencePiece model holds")
     return path.read_bytes()
-
-
-def _first(e: BaseException) -> str:
-    text = getattr(e, "strerror", None) or str(e).strip()
-    return text.splitlines()[0][:200] if text else type(e).__name__
