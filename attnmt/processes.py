@@ -135,6 +135,11 @@ def imap_forked(work: Callable[[T], R], items: Iterable[T], workers: int, died: 
             processes.append(process)
             idle.append(ours)
         while True:
+            # Hand back what is in order first: with the buffer full, sending nothing and then
+            # emptying it would leave no worker busy before the items ran out.
+            while given in finished:
+                yield finished.pop(given)
+                given += 1
             while idle and not exhausted and len(finished) < 2 * workers:
                 item = next(source, _END)
                 exhausted = item is _END
@@ -142,9 +147,6 @@ def imap_forked(work: Callable[[T], R], items: Iterable[T], workers: int, died: 
                     conn = idle.pop()
                     conn.send(item)
                     busy[conn], sent = sent, sent + 1
-            while given in finished:
-                yield finished.pop(given)
-                given += 1
             if not busy:
                 return
             for conn in connection.wait(list(busy)):
