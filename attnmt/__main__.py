@@ -1,5 +1,5 @@
 """`python -m attnmt` (and `torchrun -m attnmt`) run the CLI."""
 
-from attnmt.cli import main
+from attnmt.main import main
 
 main()

@@ -24,9 +24,9 @@ from attnmt.checkpoint import BEST_FILE, LAST_FILE, load_model_dir
 from attnmt.config import Config
 from attnmt.data import CHUNK_LINES, input_chunks
 from attnmt.device import (
+    DECODE_PRECISIONS,
     DEVICES,
     MATMUL_BACKENDS,
-    PRECISIONS,
     choices,
     limit_onednn_kernel_cache,
     missing_hardware,
@@ -54,6 +54,7 @@ class Translator:
     matmul: str  # blas or onednn
     workers: int = 1  # batches searched at once (CPU only)
     members: tuple[Config, ...] = ()  # an ensemble's configs, the first being cfg
+    precision: str = "fp32"  # what the model computes in: fp32, bf16, fp16 or int8
 
     @classmethod
     def load(
@@ -68,7 +69,8 @@ class Translator:
         """Load a model directory, or several as an ensemble (the mean of their log-
         probabilities at each step; they must share their SentencePiece models; the first
         one's decode section applies): `weights` best, last, averaged, step-N or a path;
-        device auto, cpu or cuda; precision fp32, bf16 or fp16 (default decode.precision);
+        device auto, cpu or cuda; precision fp32, bf16, fp16 or int8 (CPU) (default
+        decode.precision);
         matmul auto, blas or onednn (default decode.matmul); workers: batches searched at once
         (default decode.workers; CPU only). Notes go to stderr."""
         dirs = (
@@ -78,12 +80,13 @@ class Translator:
             raise AttnmtError("no model directory given")
         for flag, value, allowed, expected in (
             ("--device", device, DEVICES, choices(DEVICES)),
-            ("--precision", precision, PRECISIONS, choices(PRECISIONS)),
+            ("--precision", precision, DECODE_PRECISIONS, choices(DECODE_PRECISIONS)),
             ("--matmul", matmul, MATMUL_BACKENDS, ", ".join(MATMUL_BACKENDS)),
         ):
             if value is not None and value not in allowed:
                 raise AttnmtError(f"{flag} {value!r}: expected {expected}")
         dev = resolve_device(device)
+        _check_int8(precision, dev)
         if workers is not None and workers > 1 and dev.type != "cpu":
             raise AttnmtError(f"--workers {workers}: parallel batches are for CPU decoding only")
         loaded = [load_model_dir(d, weights, dev) for d in dirs]
@@ -101,6 +104,7 @@ class Translator:
         if len(loaded) > 1:
             net = Ensemble([m for _, _, m in loaded])
         precision = precision or cfg.decode.precision
+        _check_int8(precision, dev)  # the config's choice, too
         backend = resolve(matmul or cfg.decode.matmul)
         limit_onednn_kernel_cache(dev, precision, backend)  # as training does
         if (lacking := missing_hardware(dev, precision)) is not None:
@@ -108,7 +112,8 @@ class Translator:
         # More than one worker only on the CPU: threads share a GPU's stream for nothing.
         n_workers = (workers or cfg.decode.workers) if dev.type == "cpu" else 1
         members = tuple(c for c, _, _ in loaded)
-        return cls(cfg, tokenizer, for_decoding(net, precision), dev, backend, n_workers, members)
+        net = for_decoding(net, precision)
+        return cls(cfg, tokenizer, net, dev, backend, n_workers, members, precision)
 
     def translate(
         self,
@@ -313,6 +318,12 @@ def _check_number(name: str, value: object, low: float, high: float) -> None:
     ok = isinstance(value, int | float) and not isinstance(value, bool)
     if not ok or not math.isfinite(value) or not low <= value <= high:  # type: ignore[arg-type]
         raise AttnmtError(f"{name} {value!r}: expected a number from {low:g} to {high:g}")
+
+
+def _check_int8(precision: str | None, device: torch.device) -> None:
+    """Refuse int8 off the CPU: the quantized kernels are CPU ones."""
+    if precision == "int8" and device.type != "cpu":
+        raise AttnmtError("--precision int8: int8 decoding is for the CPU (use bf16 or fp16)")
 
 
 def _note(text: str) -> None:

@@ -1,21 +1,27 @@
-"""The `attnmt` command: train, translate, eval.
+"""The `attnmt` commands: train, translate, eval, serve, distill, export, average, plot.
 
-Parses arguments and calls library functions; any AttnmtError (a problem with what the user
-gave us) becomes one line on stderr and exit code 2, never a traceback.
+Parses arguments and calls library functions; attnmt.main runs them and turns any AttnmtError
+(a problem with what the user gave us) into one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
 
 import json
-import signal
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from attnmt import __version__
-from attnmt.errors import AttnmtError, TrainingInterrupted
+from attnmt.cli_options import (
+    DeviceOption,
+    MatmulOption,
+    PrecisionOption,
+    TargetLangOption,
+    WeightsOption,
+    WorkersOption,
+)
+from attnmt.errors import AttnmtError
 from attnmt.files import OutputSink, atomic_write_bytes, check_output_path
 
 if TYPE_CHECKING:
@@ -28,49 +34,6 @@ app = typer.Typer(
     rich_markup_mode=None,
     pretty_exceptions_enable=False,
 )
-
-
-# Options that translate and eval share.
-WeightsOption = Annotated[
-    str,
-    typer.Option(
-        "--weights",
-        help="Which weights: best (falls back to last while there is no best), last, averaged "
-        "(attnmt average), step-N (a kept checkpoint), or a .safetensors path.",
-    ),
-]
-DeviceOption = Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")]
-PrecisionOption = Annotated[
-    str | None,
-    typer.Option(
-        "--precision",
-        help="Number format to decode in: fp32, bf16 or fp16 (default: config).",
-    ),
-]
-MatmulOption = Annotated[
-    str | None,
-    typer.Option(
-        "--matmul",
-        help="CPU fp32 matmuls: auto, blas or onednn (default: config).",
-    ),
-]
-TargetLangOption = Annotated[
-    str | None,
-    typer.Option(
-        "--target-lang",
-        metavar="LANG",
-        help="A multilingual model: the language to translate into.",
-    ),
-]
-WorkersOption = Annotated[
-    int | None,
-    typer.Option(
-        "--workers",
-        min=1,
-        max=64,
-        help="CPU: batches searched at once, each on its share of the threads (default: config).",
-    ),
-]
 
 
 def _version(value: bool) -> None:
@@ -235,16 +198,31 @@ def export(
     quantization: Annotated[str | None, typer.Option(
         "--quantization", help="Store weights as int8, int16, float16, ...")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace OUT if it exists.")] = False,
+    check: Annotated[Path | None, typer.Option(
+        "--check", help="Compare the export with attnmt on this file's first 100 lines "
+        "(default: the dev set's).")] = None,
 ) -> None:  # fmt: skip
-    """Export a Transformer to CTranslate2 (pip install 'attnmt[export]'), tokenizer included."""
-    from attnmt.export import export_ctranslate2
+    """Export a Transformer to CTranslate2 (pip install 'attnmt[export]'), tokenizer included,
+    and report how many sentences it translates exactly as attnmt does."""
+    from attnmt.data import check_input
+    from attnmt.export import check_agreement, check_lines, export_ctranslate2
 
     if format != "ctranslate2":
         raise AttnmtError(f"--format {format!r}: expected ctranslate2")
     if not model.is_dir():
         raise AttnmtError(f"model directory not found: {model}")
+    if check is not None:
+        check_input(check)
     files = export_ctranslate2(model, out, weights, quantization, force)
     typer.echo(f"{out}: {', '.join(files)}")
+    lines, source = check_lines(model, check)
+    if not lines:
+        typer.echo("no sentences to check the export on (the dev set is gone); use --check FILE")
+        return
+    found = check_agreement(out, model, weights, lines, source)
+    typer.echo(str(found))
+    if found.same < 0.9 * found.total and quantization is None:
+        typer.echo("warning: an fp32 export should agree on nearly every sentence", err=True)
 
 
 @app.command()
@@ -301,6 +279,44 @@ def serve(
     uvicorn.run(app_, host=host, port=port, log_level="warning")
 
 
+@app.command()
+def distill(
+    teacher: Annotated[list[Path], typer.Option(
+        "--teacher", "-t", metavar="DIR",
+        help="Teacher model directory (more than once: an ensemble).")],
+    src: Annotated[Path, typer.Option(
+        "--src", "-s", help="Source side of the training corpus (plain or .gz).")],
+    output: Annotated[Path, typer.Option(
+        "--output", "-o", help="The teacher's translations, one per source line.")],
+    beam: Annotated[int, typer.Option("--beam", "-b", min=1, max=100, help="Beam size.")] = 5,
+    chunk_lines: Annotated[int, typer.Option(
+        "--chunk-lines", min=1, help="Lines translated, then saved, at a time.")] = 2048,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Start over: replace OUTPUT and any interrupted run.")] = False,
+    weights: WeightsOption = "best",
+    device: DeviceOption = "auto",
+    workers: WorkersOption = None,
+    precision: PrecisionOption = None,
+    matmul: MatmulOption = None,
+    target_lang: TargetLangOption = None,
+) -> None:  # fmt: skip
+    """Translate a corpus's source side with a teacher for sequence-level distillation;
+    re-run the same command after an interruption to continue where it stopped."""
+    from attnmt.api import Translator
+    from attnmt.distill import distill as run_distill
+
+    check_output_path(output, "--output")
+    translator = Translator.load(teacher, device, weights, precision, matmul, workers)
+    done = run_distill(
+        translator, teacher, weights, src, output, beam, target_lang, chunk_lines, force
+    )
+    rate = done.translated / max(done.seconds, 1e-9)
+    typer.echo(
+        f"distill: {done.lines:,} lines in {output} ({done.translated:,} translated now, "
+        f"{done.seconds:.1f} s, {rate:.1f} lines/s)", err=True,
+    )  # fmt: skip
+
+
 @app.command("eval")
 def evaluate(
     ref: Annotated[Path, typer.Option("--ref", "-r", help="Reference translations.")],
@@ -354,41 +370,3 @@ def evaluate(
         typer.echo(f"BLEU signature: {s.bleu_signature}")
         typer.echo(f"chrF signature: {s.chrf_signature}")
         typer.echo(f"BLEU = {s.bleu:.2f}")
-
-
-def main() -> None:
-    """Entry point: run the app; a user error (ours or a usage error) is one line and exit
-    code 2, an interrupt one line and 128 + the signal's number, never a traceback."""
-    try:
-        code = app(standalone_mode=False, prog_name="attnmt")  # errors here, not in Typer's boxes
-    except AttnmtError as e:
-        _fail(str(e))
-    except TrainingInterrupted as e:
-        name = signal.Signals(e.signum).name
-        print(
-            f"attnmt: {name} at step {e.step}: checkpoint saved; continue with --resume",
-            file=sys.stderr,
-        )
-        sys.exit(128 + e.signum)
-    except (KeyboardInterrupt, typer.Abort):
-        code = 130
-    except Exception as e:
-        if type(e).__name__ == "Abort":  # Click's form of Ctrl-C, where Typer does not convert it
-            print("attnmt: interrupted", file=sys.stderr)
-            sys.exit(130)
-        if not hasattr(e, "format_message"):  # not a Click usage error: a bug, show it
-            raise
-        if type(e).__name__ == "NoArgsIsHelpError":  # plain `attnmt`: the help
-            print(e.format_message())
-            sys.exit(0)
-        ctx = getattr(e, "ctx", None)
-        where = f" (see: {ctx.command_path} --help)" if ctx is not None else ""
-        _fail(" ".join(e.format_message().split()) + where)
-    if code == 130:  # Typer turns Ctrl-C into exit code 130
-        print("attnmt: interrupted", file=sys.stderr)
-    sys.exit(code if isinstance(code, int) else 0)
-
-
-def _fail(message: str) -> None:
-    print(f"attnmt: error: {message}", file=sys.stderr)
-    sys.exit(2)

@@ -28,6 +28,7 @@ from attnmt.errors import ConfigError
 # (and the CLI's messages) from these, so each set of choices is written once.
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 Precision = Literal["fp32", "bf16", "fp16"]
+DecodePrecision = Literal["fp32", "bf16", "fp16", "int8"]  # int8: CPU only
 TrainPrecision = Literal["auto", "fp32", "bf16", "fp16"]  # auto: bf16 where the hardware has it
 MatmulChoice = Literal["auto", "blas", "onednn"]  # the library of CPU fp32 matmuls
 
@@ -305,7 +306,7 @@ class DecodeConfig(_Section):
     max_src_len: int = Field(1000, ge=2, le=100_000)
     batch_tokens: int = Field(8000, ge=1)
     workers: int = Field(1, ge=1, le=64)
-    precision: Precision = "fp32"
+    precision: DecodePrecision = "fp32"
     matmul: MatmulChoice = "auto"
 
 

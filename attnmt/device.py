@@ -12,17 +12,20 @@ from typing import get_args
 
 import torch
 
-from attnmt.config import DeviceChoice, MatmulChoice, Precision
+from attnmt.config import DecodePrecision, DeviceChoice, MatmulChoice, Precision
 from attnmt.errors import ConfigError
 
 DEVICES: tuple[str, ...] = get_args(DeviceChoice)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
+DECODE_PRECISIONS: tuple[str, ...] = get_args(DecodePrecision)
 MATMUL_BACKENDS: tuple[str, ...] = get_args(MatmulChoice)
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 assert tuple(PRECISION_DTYPES) == PRECISIONS
 # The CPU matmul instructions that cpu_matmul_hardware looks for, as messages name them.
-CPU_MATMUL_INSTRUCTIONS = {"fp32": "", "bf16": "AMX or AVX512-BF16", "fp16": "AMX-FP16"}
+CPU_MATMUL_INSTRUCTIONS = {
+    "fp32": "", "bf16": "AMX or AVX512-BF16", "fp16": "AMX-FP16", "int8": "AVX512-VNNI or AVX-VNNI"
+}  # fmt: skip
 # oneDNN kernels kept for low-precision and oneDNN fp32 CPU matmuls (limit_onednn_kernel_cache).
 ONEDNN_CACHE_CAPACITY = 64
 
@@ -43,12 +46,13 @@ def resolve_device(name: str) -> torch.device:
 
 def cpu_matmul_hardware(precision: str) -> bool:
     """Whether this CPU has matmul instructions for `precision` ('bf16': AMX or AVX512-BF16;
-    'fp16': AMX-FP16; 'fp32': always). Without them torch emulates the type, far slower than
-    fp32."""
+    'fp16': AMX-FP16; 'int8': VNNI; 'fp32': always). Without them torch emulates the type, far
+    slower than fp32 (int8: with wider instructions, less of a gain)."""
     checks = {
         "fp32": (),
         "bf16": ("_is_amx_tile_supported", "_is_avx512_bf16_supported"),
         "fp16": ("_is_amx_fp16_supported",),
+        "int8": ("_is_vnni_supported",),
     }[precision]
     if not checks:
         return True

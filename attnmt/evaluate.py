@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import cast
 
 import sacrebleu
 import torch
@@ -12,7 +13,7 @@ import torch
 from attnmt.data import pad_sequences, sorted_batches
 from attnmt.device import PRECISION_DTYPES
 from attnmt.errors import DataError
-from attnmt.kernels import matmul_backend
+from attnmt.kernels import matmul_backend, quantize_int8
 from attnmt.kernels.matmul import active as active_backend
 from attnmt.processes import map_batches
 from attnmt.search import Hypothesis, Sampling, SearchOptions, decode
@@ -142,8 +143,11 @@ def translate_lines(
 def for_decoding(model: Seq2Seq, precision: str) -> Seq2Seq:
     """The model, in place, with its weights and buffers in `precision` for translation: the
     16-bit formats halve the weights' memory traffic and run on the hardware's 16-bit matmuls
-    (GPU tensor cores, AMX), at the cost of outputs that may differ from fp32 here and there.
-    Search sums its scores in fp32 whatever the model computes in."""
+    (GPU tensor cores, AMX); int8 (CPU) swaps the matmuls for 8-bit ones (kernels.int8); all
+    at the cost of outputs that may differ from fp32 here and there. Search sums its scores in
+    fp32 whatever the model computes in."""
+    if precision == "int8":
+        return cast(Seq2Seq, quantize_int8(model.float()))
     return model.to(PRECISION_DTYPES[precision])
 
 

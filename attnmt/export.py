@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from attnmt.checkpoint import load_model_dir
+from attnmt.api import Translator
+from attnmt.checkpoint import load_model_dir, read_run_files
+from attnmt.data import read_lines, read_test_set
 from attnmt.errors import AttnmtError
 from attnmt.files import free_space, reason
 from attnmt.transformer import (
@@ -105,6 +108,60 @@ def check_export_path(model_dir: Path, out: Path, force: bool) -> None:
         raise AttnmtError(f"{out} exists; pass --force to replace it")
     if any(p.exists() and not p.is_dir() for p in target.parents):
         raise AttnmtError(f"{out}: a parent of it is a file, not a directory")
+
+
+CHECK_LINES = 100  # sentences `attnmt export` compares the export on
+
+
+@dataclass
+class Agreement:
+    same: int  # sentences translated identically
+    total: int
+    source: str  # where they came from
+
+    def __str__(self) -> str:
+        share = self.same / self.total if self.total else 1.0
+        return (
+            f"agreement with attnmt (greedy, {self.total} sentences of {self.source}): "
+            f"{self.same}/{self.total} identical ({share:.0%})"
+        )
+
+
+def check_agreement(
+    out: Path, model_dir: Path, weights: str, lines: list[str], source: str
+) -> Agreement:
+    """Translate lines greedily with the export in `out` and with attnmt (`weights` of
+    model_dir), each sentence under attnmt's output limit (max_len_a × source subwords with EOS
+    + max_len_b), and count the identical ones: a broken conversion shows at once. A
+    multilingual model is checked into its first target language."""
+    ct2 = _import_ctranslate2()
+    ours = Translator.load(model_dir, "cpu", weights, "fp32", workers=1)
+    lang = (ours.target_langs or [None])[0] if ours.cfg.data.multilingual else None
+    want = ours.translate(lines, beam=1, target_lang=lang)
+    prefix = ours.tokenizer.src.pieces(ours.source_prefix(lang))
+    decode = ours.cfg.decode
+    theirs = ct2.Translator(str(out), device="cpu", inter_threads=1)
+    same = 0
+    for line, expected in zip(lines, want, strict=True):
+        pieces = prefix + ours.tokenizer.src.sp.encode(line, out_type=str)
+        limit = int(decode.max_len_a * (len(pieces) + 1)) + decode.max_len_b
+        found = theirs.translate_batch([pieces], beam_size=1, max_decoding_length=limit)
+        same += ours.tokenizer.tgt.sp.decode(found[0].hypotheses[0]) == expected
+    return Agreement(same, len(lines), source)
+
+
+def check_lines(model_dir: Path, given: Path | None) -> tuple[list[str], str]:
+    """The sentences to check an export on: the first CHECK_LINES of `given`, else of the
+    model's (first) dev set's source where it is still readable, else none."""
+    if given is not None:
+        return read_lines(given)[:CHECK_LINES], str(given)
+    cfg, _ = read_run_files(model_dir)
+    dev = cfg.data.dev_sets[0]
+    try:
+        sources, _ = read_test_set(dev)
+    except AttnmtError:
+        return [], ""
+    return sources[:CHECK_LINES], str(dev.tsv or dev.src)
 
 
 def _import_ctranslate2() -> Any:

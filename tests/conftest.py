@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from attnmt.cli import main
+from attnmt.main import main
 
 # A toy "language pair": each source word maps to one target word, order reversed.
 LEXICON = {f"w{i}": f"t{i}" for i in range(12)}

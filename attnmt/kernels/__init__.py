@@ -20,6 +20,7 @@ gain").
 """
 
 from attnmt.kernels.attention import fused_attention
+from attnmt.kernels.int8 import quantize_int8
 from attnmt.kernels.matmul import Linear, matmul_backend
 from attnmt.kernels.ops import (
     Dropout,
@@ -52,5 +53,6 @@ __all__ = [
     "mask_threads",
     "matmul_backend",
     "plain_recurrences",
+    "quantize_int8",
     "topk_rows",
 ]

@@ -1,0 +1,92 @@
+"""int8 decoding on the CPU: a trained model's matmuls in 8-bit integers (`--precision int8`).
+
+Dynamic quantization (torch's quantized CPU engine, `x86`: fbgemm's kernels, with oneDNN's for
+some shapes): each weight matrix is stored once as int8 with one scale per output row
+(per-channel, symmetric), and each call quantizes its input rows to 8 bits with a scale from
+their range, multiplies in integers (VNNI's `vpdpbusd` where the CPU has it) and returns fp32:
+
+    y = s_x s_W (q_x q_Wᵀ) + b        q_W = round(W / s_W), s_W = max|W_row| / 127 (per row)
+
+What is swapped, measured on the 30-minute T and R models (docs/benchmarks.md): every linear
+layer with at least MIN_OUT_FEATURES outputs (attention projections, feed-forward, the GRU
+bridge and pre-output, the output projection over the vocabulary) and the GRUs (their input
+and recurrent matmuls). Embeddings stay fp32 (a lookup has no matmul), as do layer norms,
+softmax and search. The swap happens on a copy of the weights in place of the modules: the
+model can no longer train.
+
+torch marks its quantized tensor types deprecated (a future release removes them); this
+project pins torch 2.13, where they are supported.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+# Products with fewer outputs stay fp32: Bahdanau's energy layer (one output) is a
+# matrix-vector product bound by memory, where int8 saves nothing.
+MIN_OUT_FEATURES = 16
+
+
+def int8_hardware() -> bool:
+    """Whether this CPU has VNNI (AVX512-VNNI or AVX-VNNI), the 8-bit dot products that make
+    int8 matmuls fast; without them fbgemm emulates them with wider instructions."""
+    probe = getattr(torch.cpu, "_is_vnni_supported", None)
+    return bool(probe()) if probe is not None else False
+
+
+class Int8Linear(nn.Module):
+    """y = x Wᵀ + b with W (N, K) stored as int8, one scale per row, and x quantized per call."""
+
+    def __init__(self, linear: nn.Linear, full_range: bool) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()  # (N, K)
+        scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()  # (N,)
+        zeros = torch.zeros(w.size(0), dtype=torch.long)
+        q_w = torch.quantize_per_channel(w, scales, zeros, 0, torch.qint8)
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        self.packed = torch.ops.quantized.linear_prepack(q_w, bias)
+        self.in_features, self.out_features = w.size(1), w.size(0)
+        # 7-bit inputs (reduce_range) keep fbgemm's 16-bit sums from saturating without VNNI.
+        self.reduce_range = not full_range
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., K) -> (..., N)."""
+        return torch.ops.quantized.linear_dynamic(x, self.packed, self.reduce_range)
+
+
+class Int8GRU(torch.ao.nn.quantized.dynamic.GRU):
+    """torch's dynamically quantized GRU, which also answers `all_weights` with nothing: the
+    fused training recurrences (attnmt.kernels) that read a GRU's weights then stand aside."""
+
+    @property
+    def all_weights(self) -> list[list[torch.Tensor]]:
+        return []
+
+
+def quantize_int8(model: nn.Module) -> nn.Module:
+    """The model (fp32, on the CPU) with its linear layers and GRUs swapped, in place, for int8
+    ones; returns it, in eval mode."""
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*quantized tensor creation.*deprecated")
+        warnings.filterwarnings("ignore", message=".*quantiz.*", category=DeprecationWarning)
+        _swap(model, int8_hardware())
+    return model
+
+
+def _swap(module: nn.Module, full_range: bool) -> None:
+    dynamic = torch.ao.nn.quantized.dynamic
+    qconfig = torch.ao.quantization.default_dynamic_qconfig
+    for name, child in module.named_children():
+        if isinstance(child, nn.Linear) and child.out_features >= MIN_OUT_FEATURES:
+            setattr(module, name, Int8Linear(child, full_range))
+        elif isinstance(child, nn.GRU):
+            child.qconfig = qconfig  # type: ignore[assignment]
+            quantized = dynamic.GRU.from_float(child)
+            quantized.__class__ = Int8GRU
+            setattr(module, name, quantized)
+        else:
+            _swap(child, full_range)
