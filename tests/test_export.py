@@ -50,6 +50,33 @@ def test_ctranslate2_greedy_equals_ours_pre_norm_tied(tmp_path: Path, trained, r
     }
     ours = Translator.load(model).translate(lines, beam=1)
     assert ct2_greedy(tmp_path / "ct2", lines, "spm.model", "spm.model") == ours
+    # The export checks itself on the dev set: the agreement the user sees at once.
+    dev = corpus["dev_src"]
+    assert f"agreement with attnmt (greedy, 20 sentences of {dev}): 20/20 identical" in (
+        result.stdout
+    )
+
+
+def test_export_reports_a_broken_conversion(tmp_path: Path, trained, run_cli, monkeypatch):
+    """A conversion that loses something (here: the output projection's weights zeroed in the
+    spec) shows in the agreement line and a warning, on the sentences given with --check."""
+    import attnmt.export
+
+    model, corpus = trained
+    linear = attnmt.export._linear
+
+    def broken(spec, layer):
+        linear(spec, layer)
+        if layer is not None and layer.weight.shape[0] == 40:  # the vocabulary projection
+            spec.weight = spec.weight * 0
+
+    monkeypatch.setattr(attnmt.export, "_linear", broken)
+    check = corpus["train_src"]
+    result = run_cli("export", str(model), str(tmp_path / "ct2"), "--check", str(check))
+    assert result.code == 0, result.stderr
+    line = next(x for x in result.stdout.splitlines() if x.startswith("agreement"))
+    assert f"(greedy, 100 sentences of {check})" in line and " 100/100 " not in line
+    assert "warning: an fp32 export should agree on nearly every sentence" in result.stderr
 
 
 def test_ctranslate2_greedy_equals_ours_post_norm_untied(tmp_path: Path, corpus, run_cli):
