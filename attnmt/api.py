@@ -169,7 +169,7 @@ class Translator:
             _check_int("top_k", top_k, 0, 1 << 30)
             _check_int("seed", seed, 0, (1 << 63) - 1)
         if n_best > beam and sampling is None:
-            raise AttnmtError(f"--n-best {n_best} exceeds the beam size {beam}; raise --beam")
+            raise AttnmtError(f"n_best {n_best} exceeds the beam size {beam}; raise the beam")
         return search_options(
             self.cfg.decode, beam=beam, length_penalty=length_penalty, n_best=n_best,
             attention=attention, sampling=sampling,

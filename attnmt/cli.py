@@ -254,6 +254,8 @@ def serve(
         "--max-queue", min=1, help="Requests waiting (more: 503).")] = 256,
     batch_wait_ms: Annotated[float, typer.Option(
         "--batch-wait-ms", min=0.0, help="How long a request waits for others.")] = 5.0,
+    access_log: Annotated[bool, typer.Option(
+        "--access-log/--no-access-log", help="A line per request on stderr.")] = True,
     weights: WeightsOption = "best",
     device: DeviceOption = "auto",
     workers: WorkersOption = None,
@@ -274,7 +276,7 @@ def serve(
     translator = Translator.load(model, device, weights, precision, matmul, workers)
     limits = Limits(max_lines, max_chars, max_queue, batch_wait_ms)
     name = " + ".join(map(str, model))
-    app_ = create_app(translator, limits, name)
+    app_ = create_app(translator, limits, name, access_log)
     typer.echo(f"attnmt: serving {name} on http://{host}:{port} (docs: /docs)", err=True)
     uvicorn.run(app_, host=host, port=port, log_level="warning")
 

@@ -15,6 +15,7 @@ import asyncio
 import json
 import math
 import queue
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -23,10 +24,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException
 
 from attnmt.api import Translator
 from attnmt.errors import AttnmtError
+from attnmt.evaluate import Translation
+from attnmt.search import Sampling, SearchOptions
 
 
 @dataclass(frozen=True)
@@ -45,26 +49,66 @@ class Limits:
         return self.max_lines * (12 * self.max_chars + 8) + 4096
 
 
+class SamplingRequest(BaseModel):
+    """Draw translations instead of searching (translate --sampling)."""
+
+    model_config = ConfigDict(extra="forbid")
+    temperature: float = Field(1.0, ge=0.01, le=100.0, description="Divide the logits by this.")
+    top_k: int = Field(0, ge=0, description="Draw from the K likeliest tokens (0: all).")
+    seed: int = Field(0, ge=0, le=(1 << 63) - 1, description="Seed of the draws.")
+
+
 class TranslateRequest(BaseModel):
+    """Closed, as the config is: an unknown field is refused (422), not ignored."""
+
+    model_config = ConfigDict(extra="forbid")
     text: list[str] = Field(description="Sentences to translate, one per item.")
     beam: int | None = Field(None, ge=1, le=100, description="Beam size (default: the model's).")
+    n_best: int = Field(
+        1, ge=1, le=100, description="Hypotheses per line with scores (at most the beam; "
+        "with sampling, draws); above 1 the answer has `n_best` lists.",
+    )  # fmt: skip
+    length_penalty: float | None = Field(
+        None, ge=0.0, le=10.0, description="GNMT length penalty alpha (default: the model's)."
+    )
+    sampling: SamplingRequest | None = Field(None, description="Draw instead of searching.")
     target_lang: str | None = Field(
         None, description="A multilingual model: the language to translate into."
     )
 
 
+class Scored(BaseModel):
+    text: str
+    score: float
+
+
 class TranslateResponse(BaseModel):
-    translations: list[str]
+    translations: list[str] = Field(description="The best translation of each line.")
+    n_best: list[list[Scored]] | None = Field(
+        None, description="With n_best above 1: each line's hypotheses, best first."
+    )
+
+
+class ErrorResponse(BaseModel):
+    error: str = Field(description="What was wrong, in one line (every error has this shape).")
 
 
 @dataclass(eq=False)
 class _Job:
     lines: list[str]
-    beam: int
+    options: SearchOptions
     target_lang: str | None
     future: Future = field(default_factory=Future)
-    done: list[str] = field(default_factory=list)  # translations of lines[: len(done)]
+    done: list[list[Translation]] = field(default_factory=list)  # results of lines[: len(done)]
     cancelled: bool = False  # its client left: no more work for it
+
+    @property
+    def kind(self) -> object:
+        """Jobs of one kind may share a batch. Sampled lines are seeded by their place in
+        the input, so a sampled job is searched alone (its output then equals the CLI's)."""
+        if isinstance(self.options.method, Sampling):
+            return self
+        return (self.options, self.target_lang)
 
 
 class Batcher:
@@ -82,9 +126,11 @@ class Batcher:
         self.batches = 0  # searches run (for /health: batching at work)
         threading.Thread(target=self._run, name="attnmt-search", daemon=True).start()
 
-    def submit(self, lines: list[str], beam: int, target_lang: str | None = None) -> _Job:
+    def submit(
+        self, lines: list[str], options: SearchOptions, target_lang: str | None = None
+    ) -> _Job:
         """Queue a job (queue.Full when the queue is full)."""
-        job = _Job(lines, beam, target_lang)
+        job = _Job(lines, options, target_lang)
         self.jobs.put_nowait(job)
         return job
 
@@ -107,15 +153,15 @@ class Batcher:
                 active = [job for job in active if not job.future.done()]
 
     def _take(self, active: list[_Job]) -> dict[_Job, int]:
-        """The next batch: {job: how many of its next lines}, one line of each job with the
-        first job's beam and target language in turn, within the batch limits (at least one
-        line)."""
-        kind, limits = (active[0].beam, active[0].target_lang), self.limits
+        """The next batch: {job: how many of its next lines}, one line of each job of the
+        first job's kind (search options and target language) in turn, within the batch
+        limits (at least one line)."""
+        kind, limits = active[0].kind, self.limits
         taken: dict[_Job, int] = {}
         lines = chars = 0
         while True:
             before = lines
-            for job in (j for j in active if (j.beam, j.target_lang) == kind):
+            for job in (j for j in active if j.kind == kind):
                 i = len(job.done) + taken.get(job, 0)
                 if i == len(job.lines):
                     continue
@@ -131,9 +177,11 @@ class Batcher:
     def _search(self, batch: dict[_Job, int]) -> None:
         parts = [(job, len(job.done), len(job.done) + n) for job, n in batch.items()]
         lines = [line for job, start, end in parts for line in job.lines[start:end]]
-        first = next(iter(batch))
+        first, start = parts[0][0], parts[0][1]  # a sampled job is alone: seeds from start
         try:
-            out = self.translator.translate(lines, beam=first.beam, target_lang=first.target_lang)
+            out = self.translator.search(
+                lines, first.options, first_line=start, target_lang=first.target_lang
+            )
         except Exception as e:  # the server answers 500 and keeps serving
             for job in batch:
                 job.future.set_exception(e)
@@ -210,11 +258,38 @@ def check_limits(request: TranslateRequest, limits: Limits) -> None:
             )
 
 
-def create_app(translator: Translator, limits: Limits, name: str = "") -> FastAPI:
-    """The FastAPI application: POST /translate, GET /health, docs at /docs."""
+def request_options(translator: Translator, request: TranslateRequest) -> SearchOptions:
+    """The request's search, checked as the CLI's options are (an AttnmtError: 422)."""
+    draws = request.sampling
+    if draws is not None and request.beam is not None:
+        raise AttnmtError("sampling draws instead of searching: drop beam")
+    sampling = None if draws is None else (draws.temperature, draws.top_k, draws.seed)
+    return translator.options(
+        request.beam, request.n_best, request.length_penalty, sampling=sampling
+    )
+
+
+def answer(results: list[list[Translation]], n_best: int) -> dict[str, Any]:
+    """The JSON answer: each line's best translation, and with n_best above 1 its list."""
+    out: dict[str, Any] = {"translations": [r[0].text for r in results]}
+    if n_best > 1:
+        out["n_best"] = [[{"text": t.text, "score": round(t.score, 4)} for t in r] for r in results]
+    return out
+
+
+def create_app(
+    translator: Translator, limits: Limits, name: str = "", access_log: bool = True
+) -> FastAPI:
+    """The FastAPI application: POST /translate, GET /health, docs at /docs; every error is
+    {"error": message}; with access_log, one line per request on stderr."""
     app = FastAPI(title="attnmt", summary=f"Translate with the attnmt model {name}".strip())
     batcher = Batcher(translator, limits)
-    default_beam = translator.cfg.decode.beam
+    # The request's schema for the docs, its nested models among the document's components.
+    request_schema = TranslateRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+    nested = request_schema.pop("$defs", {})
+    errors: dict[int | str, dict[str, Any]] = {
+        status: {"model": ErrorResponse} for status in (413, 422, 499, 500, 503)
+    }
 
     def error(status: int, message: str) -> JSONResponse:
         return JSONResponse({"error": message}, status_code=status)
@@ -222,26 +297,30 @@ def create_app(translator: Translator, limits: Limits, name: str = "") -> FastAP
     @app.post(
         "/translate",
         response_model=TranslateResponse,
+        response_model_exclude_none=True,
+        responses=errors,
         openapi_extra={
             "requestBody": {
                 "required": True,
-                "content": {"application/json": {"schema": TranslateRequest.model_json_schema()}},
+                "content": {"application/json": {"schema": request_schema}},
             }
         },
     )
     async def translate(http: Request) -> Any:
         try:
             request = parse_request(await read_body(http, limits.max_body))
+            http.state.lines = len(request.text)
             check_limits(request, limits)
+            options = request_options(translator, request)
             translator.source_prefix(request.target_lang)  # a multilingual model needs it
         except RequestError as e:
             return error(e.status, str(e))
         except AttnmtError as e:
             return error(422, str(e))
         if not request.text:
-            return {"translations": []}
+            return answer([], options.n_best)
         try:
-            job = batcher.submit(request.text, request.beam or default_beam, request.target_lang)
+            job = batcher.submit(request.text, options, request.target_lang)
         except queue.Full:
             return error(503, f"{limits.max_queue} requests waiting; try again shortly")
         waiting = asyncio.wrap_future(job.future)
@@ -250,7 +329,7 @@ def create_app(translator: Translator, limits: Limits, name: str = "") -> FastAP
             if not waiting.done() and await http.is_disconnected():
                 job.cancelled = True  # the client left: its remaining lines are not searched
                 return error(499, "client closed the request")
-        return {"translations": waiting.result()}
+        return answer(waiting.result(), options.n_best)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -263,8 +342,40 @@ def create_app(translator: Translator, limits: Limits, name: str = "") -> FastAP
             "batches": batcher.batches,
         }
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return error(exc.status_code, str(exc.detail))  # 404, 405: our shape, not {"detail"}
+
     @app.exception_handler(Exception)
     async def failed(request: Request, exc: Exception) -> JSONResponse:
         return error(500, f"{type(exc).__name__}: {exc}")
 
+    default_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        document = default_openapi()  # built once, then kept in app.openapi_schema
+        document.setdefault("components", {}).setdefault("schemas", {}).update(nested)
+        return document
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    if access_log:
+        app.middleware("http")(_access_log)
     return app
+
+
+async def _access_log(request: Request, call_next: Any) -> Any:
+    """One line per request on stderr: client, method, path, status, lines, milliseconds."""
+    start, status = time.perf_counter(), 500
+    try:
+        response = await call_next(request)
+        status = response.status_code
+        return response
+    finally:
+        ms = (time.perf_counter() - start) * 1000
+        lines = getattr(request.state, "lines", None)
+        client = request.client.host if request.client else "-"
+        print(
+            f"attnmt: {client} {request.method} {request.url.path} {status} "
+            f"{'-' if lines is None else lines} lines {ms:.1f} ms",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip

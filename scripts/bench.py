@@ -20,7 +20,10 @@ threads, model loading excluded. Prints one JSON line per (model, beam, workers)
 median over --runs runs of sentences/s and output pieces/s (EOS excluded), the mean output
 length, and BLEU/chrF with sacreBLEU signatures. --workers 2 searches two batches at once, each
 in its own forked process on one of the 2 threads (`attnmt translate --workers`); --precision
-bf16 or fp16 decodes with the weights in that format (`attnmt translate --precision`).
+bf16, fp16 or int8 decodes in that format (`attnmt translate --precision`), and the row gives
+the share of lines whose translation differs from the fp32 model's (differs_from_fp32). Each
+row also gives the size of the weights file (weights_mb) and the process's peak resident memory
+so far (max_rss_mb: run one model per process to read it per model).
 --matmul auto|blas|onednn picks the CPU fp32 matmul library (`attnmt translate --matmul`).
 
 export: decode's rows, then the same model exported to CTranslate2 (scripts/bench_export.py).
@@ -52,8 +55,10 @@ over N processes (torchrun, DDP over gloo), each with threads/N threads and 1/N 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -67,7 +72,7 @@ import yaml
 
 from attnmt.checkpoint import load_model_dir
 from attnmt.data import read_lines
-from attnmt.device import MATMUL_BACKENDS, PRECISION_DTYPES, resolve_precision
+from attnmt.device import DECODE_PRECISIONS, MATMUL_BACKENDS, PRECISION_DTYPES, resolve_precision
 from attnmt.evaluate import for_decoding, score, translate
 from attnmt.kernels import matmul
 from attnmt.search import Beam, Greedy, SearchOptions
@@ -84,18 +89,18 @@ def decode_models(args: argparse.Namespace, backend: str) -> None:
     ref = read_lines(args.data / "test_2016_flickr.en.gz")
     for model_dir in args.model:
         cfg, tokenizer, model = load_model_dir(model_dir)
+        plain = copy.deepcopy(model) if args.precision != "fp32" else None
         model = for_decoding(model, args.precision)
         for beam, workers in ((b, w) for b in args.beams for w in args.workers):
             # As `attnmt translate` does: no scores unless it writes n-best lists.
             method = Greedy() if beam == 1 else Beam(beam, length_penalty=1.0)
             options = SearchOptions(method, max_len_a=0.0, max_len_b=args.max_len, scores=False)
+            batches = {"batch_tokens": 1 << 30, "batch_sentences": args.batch_sentences}
+            fp32 = None if plain is None else translate(plain, tokenizer, src, options, **batches)
             times, result = [], None
             for _ in range(args.runs):
                 start = time.perf_counter()
-                result = translate(
-                    model, tokenizer, src, options, batch_tokens=1 << 30,
-                    batch_sentences=args.batch_sentences, workers=workers,
-                )  # fmt: skip
+                result = translate(model, tokenizer, src, options, workers=workers, **batches)
                 times.append(time.perf_counter() - start)
             assert result is not None
             hyps = [r[0].text for r in result]
@@ -127,10 +132,27 @@ def decode_models(args: argparse.Namespace, backend: str) -> None:
                         "matmul": backend,
                         "batch_sentences": args.batch_sentences,
                         "max_len": args.max_len,
+                        # Lines whose translation differs from the fp32 model's (same search).
+                        "differs_from_fp32": None
+                        if fp32 is None
+                        else round(
+                            sum(a[0].text != b for a, b in zip(fp32, hyps, strict=True)) / len(src),
+                            4,
+                        ),
+                        "weights_mb": round(_weights_bytes(model_dir) / 2**20, 1),
+                        "max_rss_mb": round(
+                            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1
+                        ),
                     }
                 ),
                 flush=True,
             )
+
+
+def _weights_bytes(model_dir: Path) -> int:
+    """The size on disk of the weights a model directory decodes with (best, else last)."""
+    best = model_dir / "best.safetensors"
+    return (best if best.is_file() else model_dir / "last.safetensors").stat().st_size
 
 
 # The configs under test, matching ../shared/peers/configs/onmt_{T,R}.yaml (see the README).
@@ -301,7 +323,7 @@ def add_decode_args(d: argparse.ArgumentParser) -> None:
         default=[1],
         help="batches searched at once, sharing the threads; e.g. 1,2 measures both",
     )
-    d.add_argument("--precision", choices=list(PRECISION_DTYPES), default="fp32")
+    d.add_argument("--precision", choices=list(DECODE_PRECISIONS), default="fp32")
     d.add_argument(
         "--matmul", choices=list(MATMUL_BACKENDS), default="auto", help="CPU fp32 matmul library"
     )

@@ -261,7 +261,7 @@ def test_train_translate_eval_end_to_end(tmp_path: Path, corpus, run_cli, arch, 
     assert [x[1] for x in rows[::2]] == one.splitlines()
     assert_user_error(
         run_cli("translate", "-m", str(model), "--beam", "2", "--n-best", "3", stdin=b"x\n"),
-        "--n-best 3 exceeds the beam size 2",
+        "n_best 3 exceeds the beam size 2",
     )
     # attention maps: JSON (pieces + weights) and a PNG per input line
     maps = tmp_path / "maps"

@@ -95,7 +95,11 @@ def test_serve_answers_the_cli_lines_to_20_concurrent_clients(trained, run_cli, 
         assert health["status"] == "ok" and 1 <= health["batches"] <= 20
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        _, err = proc.communicate(timeout=30)
+    # The access log: a line per request (client, method, path, status, lines, ms).
+    logged = [x for x in err.splitlines() if " POST /translate 200 2 lines " in x]
+    assert len(logged) == 20 and logged[0].startswith("attnmt: 127.0.0.1 ")
+    assert any(" GET /health 200 - lines " in x for x in err.splitlines())
 
 
 @pytest.fixture
@@ -134,13 +138,13 @@ def test_limits_and_bad_requests_get_json_errors(server):
 def test_a_full_queue_is_503_and_the_server_keeps_serving(server, monkeypatch):
     url, translator = server
     release = threading.Event()
-    real = translator.translate
+    real = translator.search
 
-    def slow(lines, beam=None, **kw):
+    def slow(*args, **kw):
         release.wait(30)
-        return real(lines, beam=beam, **kw)
+        return real(*args, **kw)
 
-    monkeypatch.setattr(translator, "translate", slow)
+    monkeypatch.setattr(translator, "search", slow)
     with ThreadPoolExecutor(4) as pool:
         first = pool.submit(httpx.post, f"{url}/translate", json={"text": ["w1"]}, timeout=60)
         time.sleep(0.5)  # taken by the search thread, which now blocks
@@ -152,3 +156,40 @@ def test_a_full_queue_is_503_and_the_server_keeps_serving(server, monkeypatch):
         assert third.status_code == 503 and "waiting" in third.json()["error"]
         release.set()
         assert first.result().status_code == 200 and second.result().status_code == 200
+
+
+def test_the_api_is_closed_and_errors_have_one_shape(server):
+    url, _ = server
+    r = httpx.post(f"{url}/translate", json={"text": ["w1"], "beam_size": 5}, timeout=30)
+    assert r.status_code == 422 and r.json() == {
+        "error": "beam_size: Extra inputs are not permitted"
+    }
+    r = httpx.post(f"{url}/translate", json={"text": ["w1"], "sampling": {"seed": 1, "k": 2}})
+    assert r.status_code == 422 and r.json()["error"].startswith("sampling.k: ")
+    r = httpx.post(f"{url}/translate", json={"text": ["w1"], "beam": 2, "n_best": 3})
+    assert r.status_code == 422 and "n_best 3 exceeds the beam size 2" in r.json()["error"]
+    r = httpx.post(f"{url}/translate", json={"text": ["w1"], "beam": 2, "sampling": {}})
+    assert r.status_code == 422 and "drop beam" in r.json()["error"]
+    for r, status in ((httpx.get(f"{url}/nowhere"), 404), (httpx.get(f"{url}/translate"), 405)):
+        assert r.status_code == status and set(r.json()) == {"error"}, r.text
+    schema = httpx.get(f"{url}/openapi.json").json()
+    fields = schema["paths"]["/translate"]["post"]["requestBody"]["content"]
+    assert fields["application/json"]["schema"]["additionalProperties"] is False
+
+
+def test_n_best_length_penalty_and_sampling_over_http_equal_the_cli(server, trained, run_cli):
+    url, _ = server
+    model, _ = trained
+    lines = LINES[:4]
+    post = lambda body: httpx.post(f"{url}/translate", json={"text": lines} | body, timeout=60)  # noqa: E731
+    r = post({"beam": 3, "n_best": 3, "length_penalty": 0.0})
+    assert r.status_code == 200, r.text
+    cli = cli_lines(run_cli, model, lines, "--beam", "3", "--n-best", "3", "--length-penalty", "0")
+    got = [f"{i} ||| {h['text']} ||| {h['score']:.4f}" for i, n in enumerate(r.json()["n_best"])
+           for h in n]  # fmt: skip
+    assert got == cli
+    assert r.json()["translations"] == [n[0]["text"] for n in r.json()["n_best"]]
+    r = post({"sampling": {"temperature": 1.5, "top_k": 5, "seed": 3}})
+    cli = cli_lines(run_cli, model, lines, "--sampling", "--temperature", "1.5", "--top-k", "5",
+                    "--seed", "3")  # fmt: skip
+    assert r.status_code == 200 and r.json() == {"translations": cli}
