@@ -11,6 +11,7 @@ CTranslate2's default (sin and cos concatenated). The source gets EOS appended a
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -24,9 +25,10 @@ from torch import nn
 
 from attnmt.api import Translator
 from attnmt.checkpoint import load_model_dir, read_run_files
+from attnmt.config import Config
 from attnmt.data import read_lines, read_test_set
 from attnmt.errors import AttnmtError
-from attnmt.files import free_space, reason
+from attnmt.files import dir_mode, free_space, reason
 from attnmt.transformer import (
     DecoderLayer,
     EncoderLayer,
@@ -35,6 +37,7 @@ from attnmt.transformer import (
     sinusoid_table,
 )
 
+GENERATION_FILE = "generation.json"  # the decoding options that give attnmt's output
 QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16",
                  "bfloat16", "float32")  # fmt: skip
 
@@ -81,6 +84,8 @@ def export_ctranslate2(
         spec.save(str(tmp))
         for name, data in tokenizer.files().items():
             (tmp / name).write_bytes(data)
+        (tmp / GENERATION_FILE).write_text(json.dumps(generation(cfg), indent=2) + "\n")
+        os.chmod(tmp, dir_mode())
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -91,6 +96,25 @@ def export_ctranslate2(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return sorted(p.name for p in out.iterdir())
+
+
+def generation(cfg: Config) -> dict[str, Any]:
+    """The model's decoding options for CTranslate2's translate_batch, written beside the export
+    (CTranslate2's own default output limit is 256 pieces, whatever the source length)."""
+    d = cfg.decode
+    return {
+        "beam_size": d.beam,
+        "length_penalty": d.length_penalty,
+        "max_input_length": d.max_src_len,
+        "max_decoding_length": {"a": d.max_len_a, "b": d.max_len_b, "max": d.max_output_len},
+        "notes": [
+            "per sentence, max_decoding_length = min(max, int(a * (source pieces + 1)) + b), "
+            "as attnmt stops; with a batch, use the largest",
+            "greedy output equals attnmt's; beam output may differ on some lines: CTranslate2 "
+            "ranks finished hypotheses by score / length^length_penalty, attnmt by score / "
+            "((5 + length) / 6)^length_penalty",
+        ],
+    }
 
 
 def check_export_path(model_dir: Path, out: Path, force: bool) -> None:

@@ -44,6 +44,11 @@ def file_mode() -> int:
     return 0o666 & ~umask
 
 
+def dir_mode() -> int:
+    """The mode a new directory gets from mkdir(): 0o777 less the umask (mkdtemp's is 0o700)."""
+    return file_mode() | (file_mode() & 0o444) >> 2  # x where r: 0o644 -> 0o755
+
+
 def free_space(path: Path) -> str:
     """How much room is left on path's file system, for error messages."""
     try:

@@ -117,3 +117,19 @@ def test_refusals_are_one_line(tmp_path: Path, trained, corpus, run_cli):
 def test_unknown_format_is_refused(tmp_path: Path, trained, run_cli):
     result = run_cli("export", str(trained[0]), str(tmp_path / "o"), "--format", "onnx")
     assert result.code == 2 and "expected ctranslate2" in result.stderr
+
+
+def test_the_export_carries_its_decoding_options_and_a_shareable_mode(tmp_path, trained, run_cli):
+    import json
+    import os
+
+    model, _ = trained
+    old = os.umask(0o022)
+    try:
+        assert run_cli("export", str(model), str(tmp_path / "ct2")).code == 0
+    finally:
+        os.umask(old)
+    assert (tmp_path / "ct2").stat().st_mode & 0o777 == 0o755  # not mkdtemp's 0o700
+    options = json.loads((tmp_path / "ct2" / "generation.json").read_text())
+    assert options["beam_size"] == 5 and options["length_penalty"] == 1.0
+    assert options["max_decoding_length"] == {"a": 1.5, "b": 10, "max": 1500}
