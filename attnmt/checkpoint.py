@@ -194,11 +194,14 @@ def dev_scores(model_dir: Path) -> dict[int, float]:
     return scores
 
 
-def average_checkpoints(model_dir: Path, n: int, by: str) -> tuple[Path, list[int]]:
-    """Write model_dir/averaged.safetensors, the element-wise mean of n kept checkpoints: the
-    last n by step (by="last") or the n with the best dev score in train_log.jsonl (by="best":
-    of the metric train.early_stopping named). Returns the file and the steps averaged."""
-    kept = kept_checkpoints(model_dir)
+def average_checkpoints(
+    model_dir: Path, n: int, by: str, min_step: int = 0
+) -> tuple[Path, list[int]]:
+    """Write model_dir/averaged.safetensors, the element-wise mean of n kept checkpoints (of
+    steps from min_step on): the last n by step (by="last") or the n with the best dev score in
+    train_log.jsonl (by="best": of the metric train.early_stopping named). Returns the file
+    and the steps averaged."""
+    kept = {s: p for s, p in kept_checkpoints(model_dir).items() if s >= min_step}
     if by == "best":
         scores = dev_scores(model_dir)
         steps = sorted((s for s in kept if s in scores), key=lambda s: (-scores[s], -s))[:n]

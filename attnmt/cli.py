@@ -174,14 +174,20 @@ def average(
         "--last", min=1, help="Average the last N kept checkpoints.")] = None,
     best: Annotated[int | None, typer.Option(
         "--best", min=1, help="Average the N kept checkpoints with the best dev score.")] = None,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Replace an existing averaged.safetensors.")] = False,
 ) -> None:  # fmt: skip
     """Average checkpoints' weights into DIR/averaged.safetensors (use with --weights averaged)."""
-    from attnmt.checkpoint import average_checkpoints
+    from attnmt.checkpoint import AVERAGED_FILE, average_checkpoints
 
     if (last is None) == (best is None):
         raise AttnmtError("give one of --last N or --best N")
     if not model.is_dir():
         raise AttnmtError(f"model directory not found: {model}")
+    if (model / AVERAGED_FILE).exists() and not force:
+        raise AttnmtError(
+            f"{model / AVERAGED_FILE} exists (training writes it); --force replaces it"
+        )
     by, n = ("last", last) if last is not None else ("best", best)
     path, steps = average_checkpoints(model, int(n), by)  # type: ignore[arg-type]
     typer.echo(f"{path}: mean of steps {', '.join(map(str, steps))}")

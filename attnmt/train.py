@@ -607,14 +607,22 @@ def interrupt(run: Run, signum: int) -> None:
 
 def average_at_end(run: Run) -> None:
     """train.average_last: average the last kept checkpoints (as many as there are, up to it)
-    into averaged.safetensors, log it, and score the test set with it too."""
-    n = min(run.cfg.train.average_last, len(kept_checkpoints(run.out)))
+    into averaged.safetensors, log it, and score the test set with it too. Checkpoints from
+    before the learning rate's peak (warmup) or from the run's first half are left out: weights
+    that far from the end cost BLEU (a short budget run lost 8.6 BLEU averaging them)."""
+    kept = sorted(kept_checkpoints(run.out))
+    start = max(run.cfg.train.warmup_steps + 1, (kept[-1] + 1) // 2 if kept else 0)
+    skipped = ", ".join(str(s) for s in kept if s < start)
+    why = f" (left out {skipped}: before the lr peak or in the run's first half)" if skipped else ""
+    n = min(run.cfg.train.average_last, sum(s >= start for s in kept))
     if n == 0:
+        run.log.event("average", f"no checkpoint to average{why}", steps=[], skipped=skipped)
         return
-    path, steps = average_checkpoints(run.out, n, "last")
+    path, steps = average_checkpoints(run.out, n, "last", start)
     run.log.event(
-        "average", f"averaged steps {', '.join(map(str, steps))} -> {path.name}", steps=steps
-    )
+        "average", f"averaged steps {', '.join(map(str, steps))} -> {path.name}{why}",
+        steps=steps, skipped=skipped,
+    )  # fmt: skip
     if run.cfg.data.test_sets:
         test_with(run, path, "averaged")
 

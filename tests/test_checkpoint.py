@@ -95,7 +95,9 @@ def test_average_is_the_mean_of_the_chosen_checkpoints(tmp_path: Path, corpus, r
     bleu = {e["step"]: e["dev_bleu"] for e in log if e["event"] == "validation"}
     best = sorted(sorted(bleu, key=lambda s: (-bleu[s], -s))[:2])
     r = run_cli("average", str(out), "--best", "2")
+    assert r.code == 2 and "averaged.safetensors exists (training writes it); --force" in r.stderr
+    r = run_cli("average", str(out), "--best", "2", "--force")
     assert r.code == 0 and f"mean of steps {best[0]}, {best[1]}" in r.stdout, r
-    r = run_cli("average", str(out), "--last", "5")
+    r = run_cli("average", str(out), "--last", "5", "--force")
     assert r.code == 2 and "5 checkpoints asked for, 3 kept" in r.stderr
     assert run_cli("average", str(out)).code == 2  # neither --last nor --best

@@ -120,7 +120,7 @@ def test_4_deleting_the_lock_file_does_not_let_a_second_trainer_in(tmp_path: Pat
 def test_5_a_torn_last_log_line_is_skipped_with_a_warning(model: Path, tmp_path: Path):
     with open(model / "train_log.jsonl", "a") as f:
         f.write('{"event": "validation", "step": 9, "dev_bl')  # a full disk cut it here
-    r = attnmt("average", str(model), "--best", "1")
+    r = attnmt("average", str(model), "--best", "1", "--force")
     assert r.returncode == 0 and "skipped a cut-off last line" in r.stderr, r.stderr
     r = attnmt("plot", str(model), "-o", str(tmp_path / "c.png"))
     assert r.returncode == 0 and "skipped a cut-off last line" in r.stderr, r.stderr
@@ -281,7 +281,7 @@ def test_11_bad_log_lines_are_file_and_line(model: Path, tmp_path: Path, line: s
     log = model / "train_log.jsonl"
     lines = log.read_text().splitlines()
     log.write_bytes("\n".join([lines[0], line, *lines[1:]]).encode("latin-1") + b"\n")
-    one_error_line(attnmt("average", str(model), "--best", "1"), "train_log.jsonl:2")
+    one_error_line(attnmt("average", str(model), "--best", "1", "--force"), "train_log.jsonl:2")
     one_error_line(attnmt("plot", str(model), "-o", str(tmp_path / "c.png")), "train_log.jsonl:2")
 
 

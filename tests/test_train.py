@@ -518,5 +518,13 @@ def test_average_last_averages_at_the_end_and_scores_the_test_set(tmp_path: Path
     assert next(e for e in log if e["event"] == "average")["steps"] == [4, 6]
     assert [e["weights"] for e in log if e["event"] == "test"] == ["best", "averaged"]
     assert (out / "averaged.safetensors").is_file()
+    # Checkpoints from before the lr peak (the end of warmup) are left out, and the log says so.
+    raw["train"].update(warmup_steps=5, average_last=3)
+    train(from_dict(raw), out, quiet=True, overwrite=True)
+    average = next(e for e in events(out) if e["event"] == "average")
+    assert average["steps"] == [6] and average["skipped"] == "2, 4"
+    assert "(left out 2, 4: before the lr peak or in the run's first half)" in (
+        (out / "train.log").read_text()
+    )
     with pytest.raises(ConfigError, match=r"average_last = 3 needs train\.keep_last >= 3"):
         from_dict(config(corpus, average_last=3, keep_last=2))
