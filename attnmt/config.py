@@ -240,6 +240,7 @@ class TrainConfig(_Section):
     lr: float = Field(5e-4, gt=0.0, le=10.0)
     lr_schedule: Literal["inverse_sqrt", "plateau", "constant", "budget"] = "inverse_sqrt"
     warmup_steps: int = Field(4000, ge=0)
+    warmup_share: float = Field(0.1, gt=0.0, le=0.5)  # budget: warmup ends by this time share
     plateau_factor: float = Field(0.5, gt=0.0, lt=1.0)
     plateau_patience: int = Field(2, ge=0)
     min_lr: float = Field(1e-6, ge=0.0)

@@ -1,5 +1,6 @@
-"""Processes and threads: children that end with their parent, C++ work run in one so that
-Ctrl-C is prompt, and the workers that decode several batches at once."""
+"""Processes, threads and signals: children that end with their parent, C++ work run in one
+so that Ctrl-C is prompt, training's stop signals, and the workers that decode several batches
+at once."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import connection
@@ -34,6 +36,31 @@ def die_with_parent(parent: int) -> None:
         return
     if os.getppid() != parent:  # the parent ended before prctl took effect
         os._exit(1)
+
+
+class StopSignals:
+    """SIGINT/SIGTERM/SIGHUP (a closed terminal): the first asks the loop to checkpoint and stop
+    after the current step;
+    a second one exits at once (every file on disk is already complete, writes are atomic)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            os._exit(128 + signum)
+        self.signum = signum
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def run_in_child(work: Callable[[], bytes]) -> bytes:

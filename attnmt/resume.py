@@ -57,6 +57,7 @@ class Progress:
     elapsed_s: float = 0.0
     validation_s: float = 0.0  # the longest validation: what a time budget keeps for the last
     warmup_used: float = 0.0  # lr_schedule budget: the share of the budget spent by warmup's end
+    warmup_done: bool = False  # lr_schedule budget: warmup has ended (by steps or by time)
     checkpoints: list[list[Any]] = field(default_factory=list)  # [step, dev score or None]
 
     @classmethod

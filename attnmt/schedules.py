@@ -25,15 +25,29 @@ def warmup_lr(step: int, peak_lr: float, warmup_steps: int) -> float:
     return peak_lr * max(step, 1) / warmup_steps
 
 
+def budget_warmup(step: int, warmup_steps: int, used: float, warmup_share: float) -> float:
+    """How far warmup has come (1: done) under a time budget: by steps (step / warmup_steps) or
+    by time (used / warmup_share, `used` the share of the budget spent), whichever is ahead. A
+    slow machine that would spend most of its budget on warmup_steps ends warmup by time."""
+    by_steps = step / warmup_steps if warmup_steps > 0 else 1.0
+    return min(max(by_steps, used / warmup_share), 1.0)
+
+
 def budget_lr(
-    step: int, peak_lr: float, warmup_steps: int, used: float, warmup_used: float
+    step: int,
+    peak_lr: float,
+    warmup_steps: int,
+    used: float,
+    warmup_used: float,
+    warmup_share: float = 1.0,
 ) -> float:
-    """Linear warmup over warmup_steps, then linear decay in time from peak_lr to zero when the
+    """Linear warmup (budget_warmup), then linear decay in time from peak_lr to zero when the
     time budget is spent: peak_lr * (1 - used) / (1 - warmup_used), `used` the share of
     train.time_budget spent, `warmup_used` the share spent when warmup ended (the budget-aware
     linear schedule of Li et al., "Budgeted Training", ICLR 2020, after a warmup)."""
-    if step < warmup_steps:
-        return peak_lr * max(step, 1) / warmup_steps
+    ramp = budget_warmup(step, warmup_steps, used, warmup_share)
+    if ramp < 1.0:
+        return peak_lr * max(ramp, 1.0 / max(warmup_steps, 1))
     return peak_lr * max(1.0 - used, 0.0) / max(1.0 - warmup_used, 1e-9)
 
 
@@ -74,7 +88,7 @@ def learning_rate(
     and when warmup ended (lr_schedule budget)."""
     t = cfg.train
     if t.lr_schedule == "budget":
-        return budget_lr(step, t.lr, t.warmup_steps, *budget)
+        return budget_lr(step, t.lr, t.warmup_steps, *budget, t.warmup_share)
     if t.lr_schedule == "inverse_sqrt":
         return max(inverse_sqrt_lr(step, t.lr, t.warmup_steps), t.min_lr)
     return max(warmup_lr(step, t.lr, t.warmup_steps) * plateau_scale, t.min_lr)

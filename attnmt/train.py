@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import signal
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -61,6 +59,7 @@ from attnmt.kernels import mask_threads, matmul_backend
 from attnmt.kernels.matmul import active as active_backend
 from attnmt.model import build_model
 from attnmt.prepare import DevSet, prepare_data
+from attnmt.processes import StopSignals
 from attnmt.resume import Progress, rng_state, seed_everything, set_rng_state
 from attnmt.runlog import (
     METRIC_NAMES,
@@ -71,7 +70,7 @@ from attnmt.runlog import (
     ThroughputMeter,
     log_corpora,
 )
-from attnmt.schedules import step_schedules
+from attnmt.schedules import budget_warmup, step_schedules
 from attnmt.scoring import dev_loss, score_dev_sets, score_test_sets
 from attnmt.seq2seq import Seq2Seq
 from attnmt.store import TokenStore
@@ -80,31 +79,6 @@ from attnmt.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
 def all_finite(model: Seq2Seq) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in model.parameters())
-
-
-class StopSignals:
-    """SIGINT/SIGTERM/SIGHUP (a closed terminal): the first asks the loop to checkpoint and stop
-    after the current step;
-    a second one exits at once (every file on disk is already complete, writes are atomic)."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum is not None:
-            os._exit(128 + signum)
-        self.signum = signum
-
-    def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 @dataclass
@@ -385,8 +359,15 @@ def train_step(run: Run, idxs: list[list[int]], signalled: bool) -> StepResult:
     step_tokens, step_positions, step_real, budget_used = ranks.sum(
         [float(n_tokens), float(positions), float(real), run.budget_used() * ranks.is_main]
     )
-    if step <= t.warmup_steps:
-        p.warmup_used = budget_used
+    if t.lr_schedule == "budget" and not p.warmup_done:
+        p.warmup_used = budget_used  # the decay after warmup starts from the peak here
+        p.warmup_done = budget_warmup(step, t.warmup_steps, budget_used, t.warmup_share) >= 1
+        if p.warmup_done and step < t.warmup_steps:
+            run.log.event(
+                "warmup", f"warmup ended at step {step}, {t.warmup_share:.0%} of the time budget"
+                f" (train.warmup_share), before warmup_steps {t.warmup_steps}: the budget allows"
+                f" about {step / max(budget_used, 1e-9):,.0f} steps", step=step,
+            )  # fmt: skip
     lr, tf = step_schedules(step, run.cfg, p.plateau_scale, (budget_used, p.warmup_used))
     for group in run.optimizer.param_groups:
         group["lr"] = lr

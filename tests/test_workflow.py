@@ -15,7 +15,7 @@ from attnmt.config import from_dict, parse_duration
 from attnmt.data import read_split_text
 from attnmt.errors import ConfigError
 from attnmt.prepare import encode_split
-from attnmt.schedules import budget_lr
+from attnmt.schedules import budget_lr, budget_warmup
 from attnmt.scoring import dev_loss
 from attnmt.tokenizer import Tokenizer
 from attnmt.train import train
@@ -151,19 +151,30 @@ def test_durations_and_the_budget_schedule():
     assert budget_lr(100, 1.0, 100, 0.2, 0.2) == 1.0  # the peak when warmup ends
     assert budget_lr(500, 1.0, 100, 0.6, 0.2) == 0.5  # then decaying with the time spent
     assert budget_lr(500, 1.0, 100, 1.0, 0.2) == 0.0
+    # A slow machine: warmup ends by time (warmup_share) long before warmup_steps.
+    assert budget_warmup(30, 300, 0.05, 0.1) == 0.5
+    assert budget_lr(30, 1.0, 300, 0.05, 0.0, 0.1) == 0.5
+    assert budget_lr(37, 1.0, 300, 0.1, 0.1, 0.1) == 1.0
 
 
 def test_a_budget_run_stops_inside_its_budget_with_lr_near_zero(tmp_path: Path, corpus):
     raw = tiny_config(corpus)
     raw["train"].update(
         max_steps=10**6, max_epochs=10**4, time_budget="6s", lr_schedule="budget",
-        warmup_steps=2, eval_every=10**6, log_every=1,
+        warmup_steps=10**6, warmup_share=0.2, eval_every=10**6, log_every=1,
     )  # fmt: skip
     out = tmp_path / "m"
     summary = train(from_dict(raw), out, quiet=True)
     assert summary["stop_reason"] == "time_budget" and summary["elapsed_s"] <= 6.5, summary
     lrs = [e["lr"] for e in events(out) if e["event"] == "train"]
-    assert len(lrs) > 20 and lrs[-1] < 0.1 * 0.003 and lrs[2:] == sorted(lrs[2:], reverse=True)
+    # warmup_steps far beyond the budget: warmup ends by time, at 20 % of it, and says so.
+    peak = next(e for e in events(out) if e["event"] == "warmup")["step"]
+    assert 1 < peak < len(lrs) / 2 and lrs[peak - 1] == 0.003
+    assert lrs[:peak] == sorted(lrs[:peak]) and lrs[peak - 1 :] == sorted(lrs[peak - 1 :])[::-1]
+    assert len(lrs) > 20 and lrs[-1] < 0.1 * 0.003
+    assert "20% of the time budget (train.warmup_share), before warmup_steps" in (
+        (out / "train.log").read_text()
+    )
     assert [e["step"] for e in events(out) if e["event"] == "validation"] == [len(lrs)]
     with pytest.raises(ConfigError, match=r"decays to train\.time_budget"):
         from_dict({**raw, "train": {"lr_schedule": "budget"}})
