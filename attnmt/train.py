@@ -189,11 +189,12 @@ def train_loop(run: Run) -> dict[str, Any]:
     bar.close()
     if p.last_validated != p.step:
         validate(run)
+    trained_s = run.elapsed()  # what a time budget covers; test scoring comes after it
     if ranks.is_main and run.cfg.data.test_sets and (run.out / BEST_FILE).is_file():
         test_with(run, run.out / BEST_FILE, "best")
     if ranks.is_main and t.average_last:
         average_at_end(run)
-    return finish(run, stop_reason or "max_epochs")
+    return finish(run, stop_reason or "max_epochs", trained_s)
 
 
 # --- setup ---
@@ -643,8 +644,9 @@ def test_with(run: Run, weights: Path, which: str) -> None:
         )
 
 
-def finish(run: Run, stop_reason: str) -> dict[str, Any]:
-    """The `done` event; returns the run's summary."""
+def finish(run: Run, stop_reason: str, trained_s: float) -> dict[str, Any]:
+    """The `done` event; returns the run's summary. `trained_s`: the time until the last
+    validation (a time budget's span); averaging and test scoring follow it."""
     p, t = run.progress, run.cfg.train
     summary = {
         "steps": p.step,
@@ -654,14 +656,17 @@ def finish(run: Run, stop_reason: str) -> dict[str, Any]:
         "stop_reason": stop_reason,
         "skipped_nonfinite_steps": p.skipped_steps,
         "elapsed_s": round(run.elapsed(), 1),
+        "trained_s": round(trained_s, 1),
     }
+    after = run.elapsed() - trained_s
     run.log.event(
         "done",
         f"done: {p.step} steps, {summary['epochs']} epochs, stopped by {stop_reason}, best dev "
-        f"{METRIC_NAMES[t.early_stopping]} {summary['best_dev']:.2f}, "
-        f"{run.elapsed() / 60:.1f} min",
+        f"{METRIC_NAMES[t.early_stopping]} {summary['best_dev']:.2f}, {trained_s / 60:.1f} min"
+        + (f" training + {after / 60:.1f} min test scoring and averaging (after the time "
+           "budget)" if after >= 1 else ""),
         **summary,
-    )
+    )  # fmt: skip
     return summary
 
 
