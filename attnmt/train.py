@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import signal
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -440,10 +441,17 @@ def skip_step(run: Run, result: StepResult) -> None:
 
 
 def log_train(run: Run, result: StepResult, window: Throughput) -> None:
-    """The `train` event: the step's loss and schedules, the window's throughput."""
+    """The `train` event: the step's loss and schedules, the window's throughput; without a
+    terminal (nohup, CI), where no progress bar shows, also a line in train.log and stderr."""
+    line = None
+    if sys.stderr is None or not sys.stderr.isatty():
+        line = (
+            f"step {result.step} | epoch {run.progress.epoch} | loss {result.loss:.3f} | "
+            f"lr {result.lr:.2e} | {window.tokens_per_s:,.0f} tokens/s | {run.elapsed():.0f} s"
+        )
     run.log.event(
         "train",
-        None,
+        line,
         step=result.step,
         epoch=run.progress.epoch,
         loss=result.loss,

@@ -533,3 +533,13 @@ def test_average_last_averages_at_the_end_and_scores_the_test_set(tmp_path: Path
     )
     with pytest.raises(ConfigError, match=r"average_last = 3 needs train\.keep_last >= 3"):
         from_dict(config(corpus, average_last=3, keep_last=2))
+
+
+def test_without_a_terminal_progress_lines_reach_train_log(tmp_path: Path, corpus):
+    """Under nohup or CI (stderr not a terminal, here pytest's capture) no progress bar shows:
+    a line every train.log_every steps goes to train.log instead."""
+    raw = config(corpus, max_steps=4, eval_every=4, log_every=2)
+    train(from_dict(raw), tmp_path / "m", quiet=True)
+    text = (tmp_path / "m" / "train.log").read_text()
+    for step in (2, 4):
+        assert f"step {step} | epoch 1 | loss " in text and " tokens/s | " in text
