@@ -154,7 +154,7 @@ def translate(
         for lines, results in translator.stream(source, options, batch_tokens, None, target_lang):
             sink.write(_format(results, n_best, done))
             if spec is not None:
-                maps.write([r[0] for r in results], first=done + 1)
+                maps.write([r[0] for r in results], first=done)
             done += len(lines)
 
 

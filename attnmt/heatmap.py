@@ -29,22 +29,16 @@ class AttentionMaps:
         )  # fmt: skip
 
     def write(self, best: list[Translation], first: int) -> None:
-        """The maps of consecutive input lines, numbered from `first` (the first line is 1)."""
+        """The maps of consecutive input lines, numbered from `first` (the first line is 0, as
+        in n-best lists)."""
         for i, translation in enumerate(best, start=first):
             write_attention_map(self.directory, i, translation, f"line {i}: {self.what}")
 
 
-def readable(piece: str) -> str:
-    """A SentencePiece piece as an axis label: the word-start marker ▁ dropped (fonts draw it
-    as a stray underscore), a piece that continues a word marked with a leading '##'."""
-    if piece.startswith("▁"):
-        return piece[1:] or "␣"
-    return piece if piece in ("</s>", "<unk>") else "##" + piece
-
-
 def write_attention_map(directory: Path, line: int, translation: Translation, title: str) -> None:
-    """Write DIR/NNNNNN.json and DIR/NNNNNN.png for input line number `line` (from 1, as
-    messages count lines)."""
+    """Write DIR/NNNNNN.json and DIR/NNNNNN.png for input line number `line` (from 0, as n-best
+    lists count lines). Axis labels are the pieces as SentencePiece writes them: ▁ starts a
+    word, a piece without it continues the one before."""
     stem = directory / f"{line:06d}"
     weights = translation.attention
     record = {
@@ -67,10 +61,8 @@ def write_attention_map(directory: Path, line: int, translation: Translation, ti
     rows, cols = weights.shape
     fig, ax = plt.subplots(figsize=(max(4.0, 0.45 * cols + 2), max(3.0, 0.4 * rows + 1.5)))
     image = ax.imshow(weights.numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
-    ax.set_xticks(
-        range(cols), [readable(p) for p in translation.src_pieces], rotation=90, fontsize=8
-    )
-    ax.set_yticks(range(rows), [readable(p) for p in translation.tgt_pieces], fontsize=8)
+    ax.set_xticks(range(cols), translation.src_pieces, rotation=90, fontsize=8)
+    ax.set_yticks(range(rows), translation.tgt_pieces, fontsize=8)
     ax.set_xlabel("source")
     ax.set_ylabel("output")
     ax.set_title(title, fontsize=9)

@@ -267,13 +267,13 @@ def test_train_translate_eval_end_to_end(tmp_path: Path, corpus, run_cli, arch, 
     maps = tmp_path / "maps"
     r = run_cli("translate", "-m", str(model), "--attention", str(maps), stdin=b"w1 w2\nw3\n")
     assert r.code == 0, r.stderr
-    record = json.loads((maps / "000001.json").read_text())
+    record = json.loads((maps / "000000.json").read_text())
     assert len(record["weights"]) == len(record["target_pieces"])
     assert all(len(row) == len(record["source_pieces"]) for row in record["weights"])
     assert sorted(p.name for p in maps.iterdir()) == [
-        "000001.json", "000001.png", "000002.json", "000002.png"
+        "000000.json", "000000.png", "000001.json", "000001.png"
     ]  # fmt: skip
-    assert record["line"] == 1
+    assert record["line"] == 0  # as n-best lists count
     # invalid UTF-8 on stdin is a user error with the line number
     r = run_cli("translate", "--model", str(model), stdin=b"ok\n\xff\n")
     assert_user_error(r, "<stdin>:2: not valid UTF-8")

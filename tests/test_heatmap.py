@@ -1,31 +1,35 @@
-"""Attention maps: JSON and PNG per input line, numbered from 1, with readable piece labels."""
+"""Attention maps: JSON and PNG per input line, numbered from 0 as n-best lists are, labelled
+with the pieces as SentencePiece writes them."""
 
 import json
 from pathlib import Path
 
+import matplotlib.axes
 import matplotlib.image
 import torch
 
 from attnmt.evaluate import Translation
-from attnmt.heatmap import readable, write_attention_map
+from attnmt.heatmap import write_attention_map
 
 
-def test_pieces_read_as_words():
-    assert readable("▁Hund") == "Hund"
-    assert readable("e") == "##e"  # continues the word before it
-    assert readable("▁") == "␣"
-    assert readable("</s>") == "</s>"
-
-
-def test_writes_json_and_png_named_by_line_number(tmp_path: Path):
+def test_writes_json_and_png_named_by_line_number(tmp_path: Path, monkeypatch):
+    labels: list[list[str]] = []
+    for axis in ("set_xticks", "set_yticks"):
+        real = getattr(matplotlib.axes.Axes, axis)
+        monkeypatch.setattr(
+            matplotlib.axes.Axes, axis,
+            lambda self, ticks, names, real=real, **kw: labels.append(list(names))
+            or real(self, ticks, names, **kw),
+        )  # fmt: skip
     weights = torch.tensor([[0.7, 0.3], [0.2, 0.8]])
     t = Translation("a dog", -1.0, ["▁Ein", "</s>"], ["▁a", "▁dog"], weights)
-    write_attention_map(tmp_path, 1, t, "line 1: Bahdanau attention")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["000001.json", "000001.png"]
-    record = json.loads((tmp_path / "000001.json").read_text(encoding="utf-8"))
-    assert record["line"] == 1 and record["source_pieces"] == ["▁Ein", "</s>"]
+    write_attention_map(tmp_path, 0, t, "line 0: Bahdanau attention")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["000000.json", "000000.png"]
+    record = json.loads((tmp_path / "000000.json").read_text(encoding="utf-8"))
+    assert record["line"] == 0 and record["source_pieces"] == ["▁Ein", "</s>"]
     assert record["weights"] == [[0.7, 0.3], [0.2, 0.8]]
-    image = matplotlib.image.imread(tmp_path / "000001.png")
+    assert labels == [["▁Ein", "</s>"], ["▁a", "▁dog"]]  # as SentencePiece writes them
+    image = matplotlib.image.imread(tmp_path / "000000.png")
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
 
 
