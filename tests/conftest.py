@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,13 @@ from attnmt.main import main
 
 # A toy "language pair": each source word maps to one target word, order reversed.
 LEXICON = {f"w{i}": f"t{i}" for i in range(12)}
+
+
+def default_sigint() -> None:
+    """For a child process the tests signal (Popen's preexec_fn): SIGINT's default disposition.
+    A suite started in the background (`nohup pytest &`) runs with SIGINT ignored, which
+    children inherit, and Python then installs no KeyboardInterrupt handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def make_pairs(n: int, seed: int) -> tuple[list[str], list[str]]:

@@ -24,7 +24,7 @@ from test_train import start_training, trained_steps, wait_for
 from attnmt.checkpoint import BEST_FILE, CKPT_DIR, LATEST, lock_model_dir, save_weights
 from attnmt.train import train
 
-from conftest import make_pairs, tiny_config, write_config, write_lines
+from conftest import default_sigint, make_pairs, tiny_config, write_config, write_lines
 
 
 @pytest.fixture
@@ -329,6 +329,7 @@ def test_an_interrupt_anywhere_is_one_line(model: Path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "attnmt", "translate", "-m", str(model)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=default_sigint,
     )  # fmt: skip
     start = time.time()
     wait_for(lambda: _reading_stdin(proc.pid, start), proc)  # past the imports and model load
@@ -405,9 +406,14 @@ def test_ctrl_c_does_not_wait_for_work_in_a_child():
 
     timer = threading.Timer(1.0, interrupt)
     start = time.time()
+    # As from a terminal, even when the suite runs in the background with SIGINT ignored.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        run_in_child(work)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_in_child(work)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert time.time() - start < 10
     assert pids and not any(map(_alive, pids))
 

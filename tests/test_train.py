@@ -24,7 +24,7 @@ from attnmt.search import Beam, SearchOptions
 from attnmt.train import train
 from attnmt.transformer import TransformerSeq2Seq
 
-from conftest import tiny_config, write_config
+from conftest import default_sigint, tiny_config, write_config
 
 
 def config(corpus, arch="transformer", **train_overrides):
@@ -167,6 +167,7 @@ def test_existing_run_needs_resume_or_overwrite(tmp_path: Path, corpus, run_cli)
 def start_training(cfg: Path, out: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "attnmt", "train", "-c", str(cfg), "--out", str(out), "-q", *extra],
+        preexec_fn=default_sigint,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
