@@ -36,6 +36,8 @@ from attnmt.ensemble import Ensemble
 from attnmt.errors import AttnmtError
 from attnmt.evaluate import Scores, Translation, for_decoding, score, score_translations
 from attnmt.evaluate import translate as run_search
+from attnmt.forced import ForcedScore, score_pairs
+from attnmt.kernels import matmul_backend
 from attnmt.kernels.matmul import resolve
 from attnmt.search import SearchOptions, search_options
 from attnmt.seq2seq import AttentionSpec, Seq2Seq
@@ -270,6 +272,25 @@ class Translator:
             found = self.search(chunk, options, batch_tokens, workers, done, target_lang)
             yield chunk, found
             done += len(chunk)
+
+    def score_pairs(
+        self,
+        sources: Sequence[str],
+        targets: Sequence[str],
+        batch_tokens: int | None = None,
+        target_lang: str | None = None,
+    ) -> list[ForcedScore]:
+        """How likely the model finds each target as the translation of its source (forced
+        decoding): ForcedScore.log_prob (natural log, EOS included), .pieces, .per_piece."""
+        for name, given in (("sources", sources), ("targets", targets)):
+            if isinstance(given, str) or not all(isinstance(x, str) for x in given):
+                raise AttnmtError(f"{name}: expected a list of str")
+        with matmul_backend(self.matmul):
+            return score_pairs(
+                self.model, self.tokenizer, sources, targets, device=self.device,
+                batch_tokens=batch_tokens or self.cfg.decode.batch_tokens,
+                prefix=self.source_prefix(target_lang),
+            )  # fmt: skip
 
     def score_test_set(
         self,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
@@ -23,9 +23,6 @@ from attnmt.cli_options import (
 )
 from attnmt.errors import AttnmtError
 from attnmt.files import OutputSink, atomic_write_bytes, check_output_path
-
-if TYPE_CHECKING:
-    from attnmt.evaluate import Translation
 
 app = typer.Typer(
     name="attnmt",
@@ -131,6 +128,7 @@ def translate(
     --sampling: --n-best K draws K per line)."""
     from attnmt.api import Translator
     from attnmt.data import check_input
+    from attnmt.evaluate import format_results
     from attnmt.heatmap import AttentionMaps
 
     if output is not None:
@@ -152,19 +150,10 @@ def translate(
     # terminal is answered at once.
     with OutputSink(output) as sink:
         for lines, results in translator.stream(source, options, batch_tokens, None, target_lang):
-            sink.write(_format(results, n_best, done))
+            sink.write(format_results(results, n_best, done))
             if spec is not None:
                 maps.write([r[0] for r in results], first=done)
             done += len(lines)
-
-
-def _format(results: list[list[Translation]], n_best: int, first: int) -> str:
-    """Output lines: the 1-best of each input, or its n-best list numbered from `first`."""
-    if n_best == 1:
-        return "".join(r[0].text + "\n" for r in results)
-    return "".join(
-        f"{first + i} ||| {t.text} ||| {t.score:.4f}\n" for i, r in enumerate(results) for t in r
-    )
 
 
 @app.command()
@@ -211,7 +200,7 @@ def export(
     """Export a Transformer to CTranslate2 (pip install 'attnmt[export]'), tokenizer included,
     and report how many sentences it translates exactly as attnmt does."""
     from attnmt.data import check_input
-    from attnmt.export import check_agreement, check_lines, export_ctranslate2
+    from attnmt.export import export_ctranslate2, report_agreement
 
     if format != "ctranslate2":
         raise AttnmtError(f"--format {format!r}: expected ctranslate2")
@@ -221,14 +210,7 @@ def export(
         check_input(check)
     files = export_ctranslate2(model, out, weights, quantization, force)
     typer.echo(f"{out}: {', '.join(files)}")
-    lines, source = check_lines(model, check)
-    if not lines:
-        typer.echo("no sentences to check the export on (the dev set is gone); use --check FILE")
-        return
-    found = check_agreement(out, model, weights, lines, source)
-    typer.echo(str(found))
-    if found.same < 0.9 * found.total and quantization is None:
-        typer.echo("warning: an fp32 export should agree on nearly every sentence", err=True)
+    report_agreement(out, model, weights, check, quantization)
 
 
 @app.command()
@@ -327,7 +309,8 @@ def distill(
 
 @app.command("eval")
 def evaluate(
-    ref: Annotated[Path, typer.Option("--ref", "-r", help="Reference translations.")],
+    ref: Annotated[list[Path], typer.Option(
+        "--ref", "-r", help="Reference translations (more than once: several per line).")],
     hyp: Annotated[Path | None, typer.Option(
         "--hyp", help="Translations to score (instead of --model).")] = None,
     model: Annotated[list[Path] | None, typer.Option(
@@ -347,9 +330,10 @@ def evaluate(
     matmul: MatmulOption = None,
     target_lang: TargetLangOption = None,
 ) -> None:  # fmt: skip
-    """Score translations with sacreBLEU (BLEU, chrF); translate --src first if --model is given."""
+    """Score translations with sacreBLEU (BLEU, chrF, TER); translate --src first if --model is
+    given."""
     from attnmt.config import SplitConfig
-    from attnmt.data import read_test_set
+    from attnmt.data import read_references, read_test_set
     from attnmt.evaluate import score
 
     if (hyp is None) == (model is None):
@@ -359,22 +343,54 @@ def evaluate(
     if output is not None:
         check_output_path(output, "--output")
     # Every line counts, an empty one too, as in the `test` event of training.
-    lines, refs = read_test_set(SplitConfig(src=hyp or src, tgt=ref))  # before the model
-    if hyp is not None:
-        s = score(lines, refs)
-    else:
+    lines, refs = read_test_set(SplitConfig(src=hyp or src, tgt=ref[0]))  # before the model
+    more = read_references(ref[1:], len(refs))
+    hyps = lines
+    if model is not None:
         from attnmt.api import Translator
 
-        assert model is not None
         translator = Translator.load(model, device, weights, precision, matmul, workers)
-        s, hyps = translator.score_test_set(lines, refs, beam, target_lang)
+        _, hyps = translator.score_test_set(lines, refs, beam, target_lang)
         if output is not None:
             atomic_write_bytes(output, "".join(h + "\n" for h in hyps).encode("utf-8"))
+    s = score(hyps, refs, more, ter=True)
     if as_json:
         typer.echo(json.dumps(s.as_dict()))
     else:
         typer.echo(s.bleu_detail)
         typer.echo(f"chrF2 = {s.chrf:.2f}")
+        typer.echo(f"TER = {s.ter:.2f}")
         typer.echo(f"BLEU signature: {s.bleu_signature}")
         typer.echo(f"chrF signature: {s.chrf_signature}")
+        typer.echo(f"TER signature: {s.ter_signature}")
         typer.echo(f"BLEU = {s.bleu:.2f}")
+
+
+@app.command("score")
+def score_command(
+    model: Annotated[list[Path], typer.Option(
+        "--model", "-m", metavar="DIR", help="Model directory (more than once: an ensemble).")],
+    src: Annotated[Path, typer.Option("--src", "-s", help="Source sentences.")],
+    tgt: Annotated[Path, typer.Option("--tgt", "-t", help="Their translations to score.")],
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", help="Output file (default: stdout).")] = None,
+    normalize: Annotated[bool, typer.Option(
+        "--normalize", help="Log-probability per target piece, not per sentence.")] = False,
+    weights: WeightsOption = "best",
+    device: DeviceOption = "auto",
+    precision: PrecisionOption = None,
+    matmul: MatmulOption = None,
+    target_lang: TargetLangOption = None,
+) -> None:  # fmt: skip
+    """Forced decoding: each translation's log-probability under the model, one per line."""
+    from attnmt.api import Translator
+    from attnmt.config import SplitConfig
+    from attnmt.data import read_test_set
+
+    if output is not None:
+        check_output_path(output, "--output")
+    sources, targets = read_test_set(SplitConfig(src=src, tgt=tgt))
+    translator = Translator.load(model, device, weights, precision, matmul, 1)
+    found = translator.score_pairs(sources, targets, target_lang=target_lang)
+    with OutputSink(output) as sink:
+        sink.write("".join(f"{f.per_piece if normalize else f.log_prob:.4f}\n" for f in found))

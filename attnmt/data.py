@@ -120,6 +120,17 @@ def read_lines(path: Path) -> list[str]:
 
 
 @dataclass
+def read_references(paths: Sequence[Path], lines: int) -> list[list[str]]:
+    """Further reference sets (eval's --ref given more than once), each `lines` lines long."""
+    found = []
+    for path in paths:
+        refs = read_lines(path)
+        if len(refs) != lines:
+            raise DataError(f"{path}: {len(refs)} lines, but the first reference has {lines}")
+        found.append(refs)
+    return found
+
+
 class ParallelText:
     """Aligned sentence pairs from one split, with how many were skipped and why."""
 

@@ -151,6 +151,15 @@ def for_decoding(model: Seq2Seq, precision: str) -> Seq2Seq:
     return model.to(PRECISION_DTYPES[precision])
 
 
+def format_results(results: list[list[Translation]], n_best: int, first: int) -> str:
+    """Output lines: the 1-best of each input, or its n-best list numbered from `first`."""
+    if n_best == 1:
+        return "".join(r[0].text + "\n" for r in results)
+    return "".join(
+        f"{first + i} ||| {t.text} ||| {t.score:.4f}\n" for i, r in enumerate(results) for t in r
+    )
+
+
 @dataclass
 class Scores:
     bleu: float
@@ -158,26 +167,41 @@ class Scores:
     bleu_signature: str
     chrf_signature: str
     bleu_detail: str
+    ter: float | None = None  # when asked for (score(..., ter=True))
+    ter_signature: str = ""
 
     def as_dict(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             "bleu": round(self.bleu, 2),
             "chrf": round(self.chrf, 2),
             "bleu_signature": self.bleu_signature,
             "chrf_signature": self.chrf_signature,
             "bleu_detail": self.bleu_detail,
         }
+        if self.ter is not None:
+            out |= {"ter": round(self.ter, 2), "ter_signature": self.ter_signature}
+        return out
 
 
-def score(hypotheses: Sequence[str], references: Sequence[str]) -> Scores:
-    """Corpus BLEU and chrF (sacreBLEU defaults: 13a tokenization, mixed case)."""
+def score(
+    hypotheses: Sequence[str],
+    references: Sequence[str],
+    more_references: Sequence[Sequence[str]] = (),
+    ter: bool = False,
+) -> Scores:
+    """Corpus BLEU and chrF (sacreBLEU defaults: 13a tokenization, mixed case), and TER if
+    asked, against one or more references per line (`more_references`: further sets)."""
     if not hypotheses:
         raise DataError("nothing to score: no lines")
-    bleu = sacrebleu.metrics.BLEU()
-    chrf = sacrebleu.metrics.CHRF()
-    b = bleu.corpus_score(list(hypotheses), [list(references)])
-    c = chrf.corpus_score(list(hypotheses), [list(references)])
-    return Scores(b.score, c.score, str(bleu.get_signature()), str(chrf.get_signature()), str(b))
+    hyps, refs = list(hypotheses), [list(references), *map(list, more_references)]
+    bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
+    b, c = bleu.corpus_score(hyps, refs), chrf.corpus_score(hyps, refs)
+    found = Scores(b.score, c.score, str(bleu.get_signature()), str(chrf.get_signature()), str(b))
+    if ter:
+        metric = sacrebleu.metrics.TER()
+        found.ter = metric.corpus_score(hyps, refs).score
+        found.ter_signature = str(metric.get_signature())
+    return found
 
 
 def score_translations(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,6 +173,21 @@ def check_agreement(
         found = theirs.translate_batch([pieces], beam_size=1, max_decoding_length=limit)
         same += ours.tokenizer.tgt.sp.decode(found[0].hypotheses[0]) == expected
     return Agreement(same, len(lines), source)
+
+
+def report_agreement(
+    out: Path, model_dir: Path, weights: str, given: Path | None, quantization: str | None
+) -> None:
+    """Print the export's agreement with attnmt (check_agreement on check_lines), with a
+    warning on stderr when an unquantized export disagrees on more than a tenth."""
+    lines, source = check_lines(model_dir, given)
+    if not lines:
+        print("no sentences to check the export on (the dev set is gone); use --check FILE")
+        return
+    found = check_agreement(out, model_dir, weights, lines, source)
+    print(found, flush=True)
+    if found.same < 0.9 * found.total and quantization is None:
+        print("warning: an fp32 export should agree on nearly every sentence", file=sys.stderr)
 
 
 def check_lines(model_dir: Path, given: Path | None) -> tuple[list[str], str]:
