@@ -27,6 +27,7 @@ SCALARS = {
         "dev/chrf": "dev_chrf",
     },
 }
+SCALARS["init_from"] = SCALARS["validation"]  # fine-tuning: the source model's step-0 scores
 
 
 class Board:

@@ -31,8 +31,10 @@ def read_curves(model_dir: Path) -> Curves:
     seconds = 0.0  # logs without elapsed_s in train events: the sum of the windows
     for number, event in read_jsonl(path):
         kind = event.get("event")
-        if kind not in ("train", "validation"):
+        if kind not in ("train", "validation", "init_from"):
             continue
+        if kind == "init_from" and "dev_bleu" not in event:
+            continue  # fine-tuning's step-0 point; logs of older versions have no BLEU there
         needs = ("step", "loss", "lr") if kind == "train" else ("step", "dev_loss", "dev_bleu")
         if not all(_is_number(event.get(key)) for key in needs):
             raise AttnmtError(f"{path}:{number}: a {kind} event without {', '.join(needs)}")

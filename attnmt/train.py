@@ -72,7 +72,7 @@ from attnmt.runlog import (
     log_corpora,
 )
 from attnmt.schedules import budget_warmup, step_schedules
-from attnmt.scoring import dev_loss, score_dev_sets, score_test_sets
+from attnmt.scoring import score_dev_sets, score_test_sets
 from attnmt.seq2seq import Seq2Seq
 from attnmt.store import TokenStore
 from attnmt.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
@@ -286,18 +286,18 @@ def restore(run: Run, weights_path: Path, state_path: Path) -> None:
 
 
 def start_from(run: Run, source_dir: Path) -> None:
-    """Fine-tuning: load the source model's best weights; log them with their dev loss."""
+    """Fine-tuning: load the source model's best weights; log them with their dev scores (the
+    step-0 point of the curves: what fine-tuning starts from)."""
     weights = resolve_weights(source_dir, "best")
     load_weights(run.model, weights, run.device, run.tokenizer_digest)
-    batch_tokens = run.cfg.train.eval_batch_tokens
-    losses = [dev_loss(run.model, d.encoded, batch_tokens, run.device) for d in run.dev_sets]
-    loss = sum(losses) / len(losses)
+    dev = score_dev_sets(run.model, run.tokenizer, run.dev_sets, run.cfg, run.device)
     run.log.event(
         "init_from",
-        f"fine-tuning from {weights} | step-0 dev loss {loss:.3f}",
-        weights=str(weights),
-        dev_loss=loss,
-    )
+        f"fine-tuning from {weights} | step-0 dev loss {dev.loss:.3f} | BLEU {dev.bleu:.2f} | "
+        f"chrF {dev.chrf:.2f}",
+        weights=str(weights), step=0, dev_loss=dev.loss, dev_ppl=math.exp(min(dev.loss, 50.0)),
+        dev_bleu=dev.bleu, dev_chrf=dev.chrf,
+    )  # fmt: skip
 
 
 def log_model(run: Run, resumed: bool) -> None:

@@ -9,11 +9,15 @@ from pathlib import Path
 
 import pytest
 import sentencepiece as spm
+import torch
 
+from attnmt import Translator
 from attnmt.checkpoint import load_model_dir
 from attnmt.config import from_dict, parse_duration
 from attnmt.data import read_split_text
 from attnmt.errors import ConfigError
+from attnmt.evaluate import score
+from attnmt.plot import read_curves
 from attnmt.prepare import encode_split
 from attnmt.schedules import budget_lr, budget_warmup
 from attnmt.scoring import dev_loss
@@ -45,6 +49,18 @@ def test_fine_tuning_starts_from_the_source_weights_and_tokenizer(tmp_path: Path
     _, tokenizer, model = load_model_dir(source_dir)
     dev = encode_split(read_split_text(from_dict(raw).data.dev), tokenizer)
     assert init["dev_loss"] == pytest.approx(dev_loss(model, dev, 8000, "cpu"), abs=1e-6)
+    # The source's dev BLEU is the step-0 point of the curves: TensorBoard and plot show it.
+    hyps = Translator(from_dict(raw), tokenizer, model, torch.device("cpu"), "blas").translate(
+        read_split_text(from_dict(raw).data.dev).src, beam=1
+    )
+    refs = read_split_text(from_dict(raw).data.dev).tgt
+    assert init["step"] == 0 and init["dev_bleu"] == pytest.approx(score(hyps, refs).bleu)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(out / "tensorboard"))
+    board.Reload()
+    assert next(e.step for e in board.Scalars("dev/bleu")) == 0
+    assert read_curves(out).bleu[0][0] == 0 and read_curves(out).dev_loss[0][0] == 0
     assert (out / "spm.model").read_bytes() == (source_dir / "spm.model").read_bytes()
     cfg, _, _ = load_model_dir(out)
     assert cfg.model.hidden_size == 16 and cfg.model.dropout == 0.2
