@@ -119,7 +119,6 @@ def read_lines(path: Path) -> list[str]:
     return [line for chunk in input_chunks(path, 1 << 16) for line in chunk]
 
 
-@dataclass
 def read_references(paths: Sequence[Path], lines: int) -> list[list[str]]:
     """Further reference sets (eval's --ref given more than once), each `lines` lines long."""
     found = []
@@ -131,6 +130,7 @@ def read_references(paths: Sequence[Path], lines: int) -> list[list[str]]:
     return found
 
 
+@dataclass
 class ParallelText:
     """Aligned sentence pairs from one split, with how many were skipped and why."""
 
