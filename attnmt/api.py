@@ -36,12 +36,12 @@ from attnmt.ensemble import Ensemble
 from attnmt.errors import AttnmtError
 from attnmt.evaluate import Scores, Translation, for_decoding, score, score_translations
 from attnmt.evaluate import translate as run_search
-from attnmt.forced import ForcedScore, score_pairs
+from attnmt.forced import ForcedScore, attention_maps, score_pairs
 from attnmt.kernels import matmul_backend
 from attnmt.kernels.matmul import resolve
 from attnmt.search import SearchOptions, search_options
 from attnmt.seq2seq import AttentionSpec, Seq2Seq
-from attnmt.tokenizer import Tokenizer
+from attnmt.tokenizer import EOS_ID, Tokenizer
 
 
 @dataclass
@@ -291,6 +291,24 @@ class Translator:
                 batch_tokens=batch_tokens or self.cfg.decode.batch_tokens,
                 prefix=self.source_prefix(target_lang),
             )  # fmt: skip
+
+    def attention_maps(
+        self, line: str, found: Translation, target_lang: str | None = None
+    ) -> torch.Tensor:
+        """The source attention of a translation `found` of `line` (from search), for every
+        decoder layer and head of a Transformer, or the GRU model's (an ensemble: the mean of
+        its models' top-layer, head-averaged): (layers, heads, target pieces, source pieces),
+        EOS included on both sides, each row summing to 1."""
+        m = self.cfg.model
+        specs = [AttentionSpec()]
+        if m.arch == "transformer" and len(self.members) <= 1:
+            specs = [AttentionSpec(layer, None, all_heads=True) for layer in range(m.dec_layers)]
+        src = [*self.source_prefix(target_lang), *self.tokenizer.src.encode([line.strip()])[0]]
+        if not found.tgt_pieces:  # an empty line: nothing was decoded
+            return torch.zeros(len(specs), 1, 0, len(found.src_pieces))
+        tgt = [self.tokenizer.tgt.sp.piece_to_id(p) for p in found.tgt_pieces]
+        with matmul_backend(self.matmul):
+            return attention_maps(self.model, [*src, EOS_ID], tgt, specs)
 
     def score_test_set(
         self,

@@ -17,7 +17,7 @@ import torch
 
 from attnmt.data import pad_sequences, sorted_batches
 from attnmt.errors import DataError
-from attnmt.seq2seq import Seq2Seq
+from attnmt.seq2seq import AttentionSpec, Seq2Seq
 from attnmt.tokenizer import EOS_ID, PAD_ID, Tokenizer
 
 
@@ -47,6 +47,29 @@ def force_decode(model: Seq2Seq, src: torch.Tensor, tgt: torch.Tensor) -> torch.
         total += logp.masked_fill(gold == PAD_ID, 0.0)
         prev = gold.masked_fill(gold == PAD_ID, EOS_ID)  # finished rows: anything valid
     return total
+
+
+@torch.inference_mode()
+def attention_maps(
+    model: Seq2Seq, src: list[int], tgt: list[int], specs: Sequence[AttentionSpec]
+) -> torch.Tensor:
+    """The source attention while the model reads the target `tgt` (ids, EOS included if the
+    translation ended) after the source `src` (ids, EOS included), once per spec (a
+    Transformer's layers, each with all_heads; the GRU model's one attention): (len(specs),
+    heads, len(tgt), len(src)), each row summing to 1."""
+    source = torch.tensor([src])  # (1, S)
+    memory = model.encode(source, source == PAD_ID)
+    found = []
+    for spec in specs:
+        state = model.init_state(memory)
+        prev, rows = torch.tensor([model.bos_id]), []
+        for token in tgt:
+            _, state, attn = model.decode_step(memory, state, prev, spec)
+            assert attn is not None
+            rows.append(attn[0].float().reshape(-1, len(src)))  # (heads, S)
+            prev = torch.tensor([token])
+        found.append(torch.stack(rows, dim=1))  # (heads, T, S)
+    return torch.stack(found)  # (layers, heads, T, S)
 
 
 def score_pairs(

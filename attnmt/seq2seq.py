@@ -29,11 +29,13 @@ from attnmt.tokenizer import BOS_ID, EOS_ID, PAD_ID
 class AttentionSpec:
     """Which attention weights decode_step should return (rnn: its only attention).
 
-    layer: decoder layer, negative counts from the top; head: one head, or None for the mean.
+    layer: decoder layer, negative counts from the top; head: one head, or None for the mean;
+    all_heads: every head of the layer, (N, h, S) instead of (N, S) (a Transformer only).
     """
 
     layer: int = -1
     head: int | None = None
+    all_heads: bool = False
 
 
 class Seq2Seq(nn.Module):

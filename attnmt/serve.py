@@ -20,10 +20,11 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
@@ -72,6 +73,9 @@ class TranslateRequest(BaseModel):
         None, ge=0.0, le=10.0, description="GNMT length penalty alpha (default: the model's)."
     )
     sampling: SamplingRequest | None = Field(None, description="Draw instead of searching.")
+    attention: bool = Field(
+        False, description="Also return each hypothesis's source attention (`attention`)."
+    )
     target_lang: str | None = Field(
         None, description="A multilingual model: the language to translate into."
     )
@@ -82,10 +86,22 @@ class Scored(BaseModel):
     score: float
 
 
+class AttentionMap(BaseModel):
+    src_pieces: list[str] = Field(description="Source pieces, EOS included (the columns).")
+    tgt_pieces: list[str] = Field(description="Output pieces, EOS included if it ended (rows).")
+    weights: list[list[list[list[float]]]] = Field(
+        description="layers x heads x target pieces x source pieces; each row sums to 1. A "
+        "Transformer: every decoder layer and head; the GRU model (or an ensemble): one."
+    )
+
+
 class TranslateResponse(BaseModel):
     translations: list[str] = Field(description="The best translation of each line.")
     n_best: list[list[Scored]] | None = Field(
         None, description="With n_best above 1: each line's hypotheses, best first."
+    )
+    attention: list[list[AttentionMap]] | None = Field(
+        None, description="With attention: each line's maps, one per hypothesis (as n_best)."
     )
 
 
@@ -277,6 +293,28 @@ def answer(results: list[list[Translation]], n_best: int) -> dict[str, Any]:
     return out
 
 
+def maps(
+    translator: Translator,
+    lines: list[str],
+    results: list[list[Translation]],
+    target_lang: str | None,
+) -> list[list[dict[str, Any]]]:
+    """Each hypothesis's source attention (Translator.attention_maps), as JSON."""
+    return [
+        [
+            {
+                "src_pieces": t.src_pieces,
+                "tgt_pieces": t.tgt_pieces,
+                "weights": translator.attention_maps(line, t, target_lang)
+                .round(decimals=4)
+                .tolist(),
+            }
+            for t in found
+        ]
+        for line, found in zip(lines, results, strict=True)
+    ]
+
+
 def create_app(
     translator: Translator, limits: Limits, name: str = "", access_log: bool = True
 ) -> FastAPI:
@@ -329,7 +367,20 @@ def create_app(
             if not waiting.done() and await http.is_disconnected():
                 job.cancelled = True  # the client left: its remaining lines are not searched
                 return error(499, "client closed the request")
-        return answer(waiting.result(), options.n_best)
+        results = waiting.result()
+        found = answer(results, options.n_best)
+        if request.attention:  # off the event loop: forced decoding is CPU work
+            found["attention"] = await asyncio.to_thread(
+                maps, translator, request.text, results, request.target_lang
+            )
+        return found
+
+    page = (resources.files("attnmt") / "web" / "index.html").read_text(encoding="utf-8")
+
+    @app.get("/", response_class=HTMLResponse)
+    async def index() -> HTMLResponse:
+        """The translation page (attnmt/web/index.html): it calls /health and /translate."""
+        return HTMLResponse(page)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -337,6 +388,8 @@ def create_app(
             "status": "ok",
             "model": name,
             "arch": translator.cfg.model.arch,
+            "beam": translator.cfg.decode.beam,
+            "multilingual": translator.cfg.data.multilingual,
             "target_langs": translator.target_langs,
             "queued": batcher.jobs.qsize(),
             "batches": batcher.batches,

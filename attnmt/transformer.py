@@ -305,7 +305,10 @@ class TransformerSeq2Seq(Seq2Seq):
             if weights is not None:
                 assert attention is not None
                 w = weights.squeeze(2)  # (B, h, S)
-                attn = w.mean(dim=1) if attention.head is None else w[:, attention.head]  # (B, S)
+                if attention.all_heads:
+                    attn = w  # (B, h, S)
+                else:
+                    attn = w.mean(dim=1) if attention.head is None else w[:, attention.head]
         logits = self.output(self.dec_norm(x)).squeeze(1)  # (B, V)
         return logits, TransformerState(caches, state.position + 1), attn
 
