@@ -13,10 +13,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from test_page import CHROMIUM, DRIVER, png_size, start_server, translate_on_the_page  # noqa: E402
+from test_page import CHROMIUM, DRIVER, png_size, start_server, translate_on_the_page
 
-from attnmt import Translator  # noqa: E402
-from attnmt.serve import Limits  # noqa: E402
+from attnmt import Translator
+from attnmt.serve import Limits
 
 
 def main() -> int:
