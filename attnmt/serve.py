@@ -2,11 +2,12 @@
 
 Requests wait in one queue; a single search thread takes the first waiting request, then
 whatever else arrives within `batch_wait_ms` (up to `batch_lines` lines, only requests with the
-same beam), searches all their lines as one call of the Translator (which batches them by
-length) and answers each request with its own lines; a long request is searched over several
-batches, interleaved with the others (Batcher). Limits give JSON errors, never a crash: too
-many lines or characters, or a body too large (refused before it is read whole) 413, a
-malformed request (NaN, Infinity and lone surrogates included) 422, a full queue 503.
+same search options), searches all their lines as one call of the Translator (which batches
+them by length) and answers each request with its own lines; a long request is searched over
+several batches, interleaved with the others (Batcher). Limits give JSON errors, never a crash:
+too many lines or characters, or a body too large (refused before it is read whole) 413, a
+malformed request (NaN, Infinity, lone surrogates, unknown fields) 422, a full queue 503; every
+error is {"error": message}. GET / is the translation page (web/index.html).
 """
 
 from __future__ import annotations
