@@ -308,7 +308,7 @@ class Translator:
             return torch.zeros(len(specs), 1, 0, len(found.src_pieces))
         tgt = [self.tokenizer.tgt.sp.piece_to_id(p) for p in found.tgt_pieces]
         with matmul_backend(self.matmul):
-            return attention_maps(self.model, [*src, EOS_ID], tgt, specs)
+            return attention_maps(self.model, [*src, EOS_ID], tgt, specs, self.device)
 
     def score_test_set(
         self,

@@ -51,23 +51,27 @@ def force_decode(model: Seq2Seq, src: torch.Tensor, tgt: torch.Tensor) -> torch.
 
 @torch.inference_mode()
 def attention_maps(
-    model: Seq2Seq, src: list[int], tgt: list[int], specs: Sequence[AttentionSpec]
+    model: Seq2Seq,
+    src: list[int],
+    tgt: list[int],
+    specs: Sequence[AttentionSpec],
+    device: torch.device | str = "cpu",
 ) -> torch.Tensor:
     """The source attention while the model reads the target `tgt` (ids, EOS included if the
     translation ended) after the source `src` (ids, EOS included), once per spec (a
     Transformer's layers, each with all_heads; the GRU model's one attention): (len(specs),
     heads, len(tgt), len(src)), each row summing to 1."""
-    source = torch.tensor([src])  # (1, S)
+    source = torch.tensor([src], device=device)  # (1, S)
     memory = model.encode(source, source == PAD_ID)
     found = []
     for spec in specs:
         state = model.init_state(memory)
-        prev, rows = torch.tensor([model.bos_id]), []
+        prev, rows = torch.tensor([model.bos_id], device=device), []
         for token in tgt:
             _, state, attn = model.decode_step(memory, state, prev, spec)
             assert attn is not None
-            rows.append(attn[0].float().reshape(-1, len(src)))  # (heads, S)
-            prev = torch.tensor([token])
+            rows.append(attn[0].float().reshape(-1, len(src)).cpu())  # (heads, S)
+            prev = torch.tensor([token], device=device)
         found.append(torch.stack(rows, dim=1))  # (heads, T, S)
     return torch.stack(found)  # (layers, heads, T, S)
 
