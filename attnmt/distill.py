@@ -126,7 +126,7 @@ def _resume_state(output: Path, job: dict[str, Any], force: bool) -> dict[str, A
     if progress.exists() and not force:
         try:
             state = json.loads(progress.read_text(encoding="utf-8"))
-            recorded = state["job"]
+            recorded = dict(state["job"])
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise DataError(
                 f"{progress}: unreadable ({reason(e)}); remove it to start over"
@@ -135,8 +135,7 @@ def _resume_state(output: Path, job: dict[str, Any], force: bool) -> dict[str, A
         if changed:
             raise AttnmtError(
                 f"{progress}: an interrupted distillation with other settings ({', '.join(changed)}"
-                f" differ); run it with its settings, or remove {progress.name} and "
-                f"{partial.name} to start over"
+                " differ); run it with its settings, or --force to start over"
             )
         if not partial.exists() or partial.stat().st_size < state["bytes"]:
             raise DataError(f"{partial}: missing or shorter than {progress.name} records")
