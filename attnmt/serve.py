@@ -319,63 +319,11 @@ def maps(
 def create_app(
     translator: Translator, limits: Limits, name: str = "", access_log: bool = True
 ) -> FastAPI:
-    """The FastAPI application: POST /translate, GET /health, docs at /docs; every error is
-    {"error": message}; with access_log, one line per request on stderr."""
+    """The FastAPI application: POST /translate, GET / (the page), GET /health, docs at /docs;
+    every error is {"error": message}; with access_log, one line per request on stderr."""
     app = FastAPI(title="attnmt", summary=f"Translate with the attnmt model {name}".strip())
     batcher = Batcher(translator, limits)
-    # The request's schema for the docs, its nested models among the document's components.
-    request_schema = TranslateRequest.model_json_schema(ref_template="#/components/schemas/{model}")
-    nested = request_schema.pop("$defs", {})
-    errors: dict[int | str, dict[str, Any]] = {
-        status: {"model": ErrorResponse} for status in (413, 422, 499, 500, 503)
-    }
-
-    def error(status: int, message: str) -> JSONResponse:
-        return JSONResponse({"error": message}, status_code=status)
-
-    @app.post(
-        "/translate",
-        response_model=TranslateResponse,
-        response_model_exclude_none=True,
-        responses=errors,
-        openapi_extra={
-            "requestBody": {
-                "required": True,
-                "content": {"application/json": {"schema": request_schema}},
-            }
-        },
-    )
-    async def translate(http: Request) -> Any:
-        try:
-            request = parse_request(await read_body(http, limits.max_body))
-            http.state.lines = len(request.text)
-            check_limits(request, limits)
-            options = request_options(translator, request)
-            translator.source_prefix(request.target_lang)  # a multilingual model needs it
-        except RequestError as e:
-            return error(e.status, str(e))
-        except AttnmtError as e:
-            return error(422, str(e))
-        if not request.text:
-            return answer([], options.n_best)
-        try:
-            job = batcher.submit(request.text, options, request.target_lang)
-        except queue.Full:
-            return error(503, f"{limits.max_queue} requests waiting; try again shortly")
-        waiting = asyncio.wrap_future(job.future)
-        while not waiting.done():
-            await asyncio.wait({waiting}, timeout=0.25)
-            if not waiting.done() and await http.is_disconnected():
-                job.cancelled = True  # the client left: its remaining lines are not searched
-                return error(499, "client closed the request")
-        results = waiting.result()
-        found = answer(results, options.n_best)
-        if request.attention:  # off the event loop: forced decoding is CPU work
-            found["attention"] = await asyncio.to_thread(
-                maps, translator, request.text, results, request.target_lang
-            )
-        return found
-
+    _translate_route(app, translator, batcher, limits)
     page = (resources.files("attnmt") / "web" / "index.html").read_text(encoding="utf-8")
 
     @app.get("/", response_class=HTMLResponse)
@@ -398,11 +346,67 @@ def create_app(
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        return error(exc.status_code, str(exc.detail))  # 404, 405: our shape, not {"detail"}
+        return _error(exc.status_code, str(exc.detail))  # 404, 405: our shape, not {"detail"}
 
     @app.exception_handler(Exception)
     async def failed(request: Request, exc: Exception) -> JSONResponse:
-        return error(500, f"{type(exc).__name__}: {exc}")
+        return _error(500, f"{type(exc).__name__}: {exc}")
+
+    if access_log:
+        app.middleware("http")(_access_log)
+    return app
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def _translate_route(
+    app: FastAPI, translator: Translator, batcher: Batcher, limits: Limits
+) -> None:
+    """POST /translate, its request schema (read by hand, to refuse large bodies before they
+    are parsed) documented in the OpenAPI document with its nested models."""
+    schema = TranslateRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+    nested = schema.pop("$defs", {})
+    body = {"required": True, "content": {"application/json": {"schema": schema}}}
+    errors: dict[int | str, dict[str, Any]] = {
+        status: {"model": ErrorResponse} for status in (413, 422, 499, 500, 503)
+    }
+
+    @app.post(
+        "/translate", response_model=TranslateResponse, response_model_exclude_none=True,
+        responses=errors, openapi_extra={"requestBody": body},
+    )  # fmt: skip
+    async def translate(http: Request) -> Any:
+        try:
+            request = parse_request(await read_body(http, limits.max_body))
+            http.state.lines = len(request.text)
+            check_limits(request, limits)
+            options = request_options(translator, request)
+            translator.source_prefix(request.target_lang)  # a multilingual model needs it
+        except RequestError as e:
+            return _error(e.status, str(e))
+        except AttnmtError as e:
+            return _error(422, str(e))
+        if not request.text:
+            return answer([], options.n_best)
+        try:
+            job = batcher.submit(request.text, options, request.target_lang)
+        except queue.Full:
+            return _error(503, f"{limits.max_queue} requests waiting; try again shortly")
+        waiting = asyncio.wrap_future(job.future)
+        while not waiting.done():
+            await asyncio.wait({waiting}, timeout=0.25)
+            if not waiting.done() and await http.is_disconnected():
+                job.cancelled = True  # the client left: its remaining lines are not searched
+                return _error(499, "client closed the request")
+        results = waiting.result()
+        found = answer(results, options.n_best)
+        if request.attention:  # off the event loop: forced decoding is CPU work
+            found["attention"] = await asyncio.to_thread(
+                maps, translator, request.text, results, request.target_lang
+            )
+        return found
 
     default_openapi = app.openapi
 
@@ -412,9 +416,6 @@ def create_app(
         return document
 
     app.openapi = openapi  # type: ignore[method-assign]
-    if access_log:
-        app.middleware("http")(_access_log)
-    return app
 
 
 async def _access_log(request: Request, call_next: Any) -> Any:

@@ -249,11 +249,11 @@ def setup(
     run.tokenizer_digest = tokenizer_digest(tokenizer_shas(tokenizer))
     if checkpoint is not None:
         restore(run, *checkpoint)
-    elif t.init_from is not None:
-        start_from(run, t.init_from)
     if t.tensorboard and ranks.is_main:
         # When resuming, what the interrupted run logged after its checkpoint is hidden.
         log.board = Board(out, purge_step=run.progress.step + 1 if checkpoint else None)
+    if checkpoint is None and t.init_from is not None:
+        start_from(run, t.init_from)  # its step-0 scores reach TensorBoard too
     # DDP averages the gradients over the ranks during backward; it hooks into forward, which
     # is the model's training loss. torch.compile wraps what runs the step.
     if ranks.world > 1:

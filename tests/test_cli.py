@@ -216,8 +216,8 @@ def test_train_translate_eval_end_to_end(tmp_path: Path, corpus, run_cli, arch, 
     assert r.code == 0 and r.stdout.count("\n") == 1, r.stderr
     assert "note: this CPU has no fp16 matmul instructions (AMX-FP16)" in r.stderr
     assert_user_error(
-        run_cli("translate", "-m", str(model), "--precision", "int8", stdin=b"x\n"),
-        "--precision 'int8': expected fp32, bf16 or fp16",
+        run_cli("translate", "-m", str(model), "--precision", "int4", stdin=b"x\n"),
+        "--precision 'int4': expected fp32, bf16, fp16 or int8",
     )
     # CPU fp32 matmuls in oneDNN (every product, the dims here are tiny), in 2 forked workers
     # too: the same lines; an unknown backend is a user error

@@ -36,7 +36,8 @@ def test_defaults_filled_in():
         ("bogus.key=1", "unknown key 'bogus'"),
         ("model.heads=3", "model.hidden_size = 256 must be divisible by model.heads = 3"),
         ("data.max_len=0", "'data.max_len' = 0: Input should be greater than or equal to 1"),
-        ("decode.precision=int8", "'decode.precision' = 'int8': Input should be 'fp32', 'bf16'"),
+        ("decode.precision=int4", "'decode.precision' = 'int4': Input should be 'fp32', 'bf16'"),
+        ("train.precision=int8", "'train.precision' = 'int8': Input should be 'auto', 'fp32'"),
     ],
 )
 def test_bad_values_name_key_value_and_allowed(override, expected):

@@ -63,11 +63,11 @@ def test_export_reports_a_broken_conversion(tmp_path: Path, trained, run_cli, mo
     import attnmt.export
 
     model, corpus = trained
-    linear = attnmt.export._linear
+    linear, vocab = attnmt.export._linear, len(Translator.load(model).tokenizer.tgt)
 
     def broken(spec, layer):
         linear(spec, layer)
-        if layer is not None and layer.weight.shape[0] == 40:  # the vocabulary projection
+        if layer.weight.shape[0] == vocab:  # the output projection
             spec.weight = spec.weight * 0
 
     monkeypatch.setattr(attnmt.export, "_linear", broken)

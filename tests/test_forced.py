@@ -7,8 +7,13 @@ from pathlib import Path
 
 import pytest
 import sacrebleu
+import torch
 
 from attnmt import Translator
+from attnmt.data import pad_sequences
+from attnmt.forced import force_decode
+from attnmt.search import Beam, SearchOptions, decode
+from attnmt.tokenizer import EOS_ID, PAD_ID
 
 from conftest import make_pairs, write_lines
 
@@ -20,18 +25,21 @@ def test_forced_decoding_gives_the_search_its_own_scores(trained):
     decoding of the same pieces must give it back; an ensemble of a model with itself too."""
     model, _ = trained
     one, two = Translator.load(model, device="cpu"), Translator.load([model, model], device="cpu")
-    best = [h[0] for h in one.hypotheses(LINES, beam=3, n_best=2, length_penalty=0.0)]
-    forced = one.score_pairs(LINES, [h.text for h in best])
-    same_pieces = 0
-    for line, h, f in zip(LINES, best, forced, strict=True):
-        pieces = [*one.tokenizer.tgt.pieces(one.tokenizer.tgt.encode([h.text])[0]), "</s>"]
-        if pieces != h.tgt_pieces or not line.strip():  # re-encoding may segment otherwise
-            continue
-        same_pieces += 1
-        assert f.log_prob == pytest.approx(h.score, abs=1e-4) and f.pieces == len(pieces)
-    assert same_pieces >= 20
-    again = two.score_pairs(LINES, [h.text for h in best])
-    assert [f.log_prob for f in again] == pytest.approx([f.log_prob for f in forced], abs=1e-5)
+    src = [[*ids, EOS_ID] for ids in one.tokenizer.src.encode(LINES)]
+    tokens = pad_sequences(src, PAD_ID)
+    options = SearchOptions(Beam(3, length_penalty=0.0), max_len_b=12)
+    with torch.inference_mode():
+        found = [h[0] for h in decode(one.model, tokens, tokens == PAD_ID, options)]
+    targets = pad_sequences([h.tokens + [EOS_ID] * h.ended for h in found], PAD_ID)
+    forced = force_decode(one.model, tokens, targets)
+    assert forced.tolist() == pytest.approx([h.score for h in found], abs=1e-4)
+    assert torch.allclose(force_decode(two.model, tokens, targets), forced, atol=1e-5)
+    # From text: the same figures where the text re-encodes to the search's pieces.
+    texts = [one.tokenizer.tgt.decode(h.tokens) for h in found]
+    by_text = one.score_pairs(LINES, texts)
+    for h, text, f, want in zip(found, texts, by_text, forced.tolist(), strict=True):
+        if one.tokenizer.tgt.encode([text])[0] == h.tokens and h.ended:
+            assert f.log_prob == pytest.approx(want, abs=1e-4) and f.pieces == len(h.tokens) + 1
 
 
 def test_score_from_the_cli(trained, tmp_path: Path, run_cli):

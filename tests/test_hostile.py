@@ -171,14 +171,14 @@ def test_8_a_body_too_large_is_refused_before_it_is_read(server):
 def test_8_a_long_request_is_interleaved_and_dropped_when_its_client_leaves(server, monkeypatch):
     url, translator, _ = server
     calls: list[int] = []
-    real = translator.translate
+    real = translator.search
 
-    def slow(lines, beam=None, **kw):  # 0.25 s a line
+    def slow(lines, *args, **kw):  # 0.25 s a line
         calls.append(len(lines))
         time.sleep(0.25 * len(lines))
-        return real(lines, beam=beam, **kw)
+        return real(lines, *args, **kw)
 
-    monkeypatch.setattr(translator, "translate", slow)
+    monkeypatch.setattr(translator, "search", slow)
     post = lambda text, timeout=60: httpx.post(  # noqa: E731
         f"{url}/translate", json={"text": text}, timeout=timeout
     )

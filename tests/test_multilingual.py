@@ -101,7 +101,7 @@ def test_target_lang_is_needed_checked_and_shown_as_a_source_piece(multi: Path, 
         stdin=b"w1 w2\n",
     )  # fmt: skip
     assert r.code == 0 and len(r.stdout.splitlines()) == 1, r.stderr
-    assert json.loads((maps / "000001.json").read_text())["source_pieces"][0] == "<2fr>"
+    assert json.loads((maps / "000000.json").read_text())["source_pieces"][0] == "<2fr>"
     translator = Translator.load(multi, device="cpu")
     assert translator.target_langs == ["en", "fr"]
     with pytest.raises(AttnmtError, match="give --target-lang"):
