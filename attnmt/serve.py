@@ -353,7 +353,7 @@ def create_app(
         return _error(500, f"{type(exc).__name__}: {exc}")
 
     if access_log:
-        app.middleware("http")(_access_log)
+        app.add_middleware(AccessLog)
     return app
 
 
@@ -418,19 +418,33 @@ def _translate_route(
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-async def _access_log(request: Request, call_next: Any) -> Any:
-    """One line per request on stderr: client, method, path, status, lines, milliseconds."""
-    start, status = time.perf_counter(), 500
-    try:
-        response = await call_next(request)
-        status = response.status_code
-        return response
-    finally:
-        ms = (time.perf_counter() - start) * 1000
-        lines = getattr(request.state, "lines", None)
-        client = request.client.host if request.client else "-"
-        print(
-            f"attnmt: {client} {request.method} {request.url.path} {status} "
-            f"{'-' if lines is None else lines} lines {ms:.1f} ms",
-            file=sys.stderr, flush=True,
-        )  # fmt: skip
+class AccessLog:
+    """ASGI middleware: one line per HTTP request on stderr (client, method, path, status,
+    lines, milliseconds). Plain ASGI, not Starlette's BaseHTTPMiddleware, which would keep the
+    endpoint from seeing that its client has gone."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start, status = time.perf_counter(), 500
+
+        async def sending(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            ms = (time.perf_counter() - start) * 1000
+            lines = scope.get("state", {}).get("lines", "-")
+            client = scope["client"][0] if scope.get("client") else "-"
+            print(
+                f"attnmt: {client} {scope['method']} {scope['path']} {status} {lines} lines "
+                f"{ms:.1f} ms", file=sys.stderr, flush=True,
+            )  # fmt: skip
