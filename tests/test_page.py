@@ -135,6 +135,12 @@ def test_the_page_in_a_browser(server, trained, browser, run_cli, tmp_path):
     )
     assert png_size(shot) == (int(width), int(height))
 
+    # 400 % zoom of a 1,280-pixel screen is 320 CSS pixels: the page reflows, only the heatmap
+    # scrolls (inside its own box).
+    browser.set_window_size(320, 900)
+    assert browser.execute_script(
+        "return document.documentElement.scrollWidth <= window.innerWidth"
+    ), "the page scrolls sideways at 320 CSS pixels"
     box = browser.find_element(By.ID, "source")
     box.clear()
     box.send_keys("w1 " * 30 + "\n")  # 90 characters: over the server's 60 a line
