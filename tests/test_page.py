@@ -111,6 +111,7 @@ def test_the_page_in_a_browser(server, trained, browser, run_cli, tmp_path):
     translate_on_the_page(browser, server, SENTENCE)
     text = browser.find_element(By.ID, "translation").text
     assert text == cli_lines(run_cli, model, [SENTENCE], "--beam", "5")[0]
+    assert not browser.find_element(By.ID, "lang").is_displayed()  # a bilingual model
     hyps = browser.find_elements(By.CSS_SELECTOR, "#hypotheses li")
     assert len(hyps) == 3 and hyps[0].find_element(By.TAG_NAME, "button").text == text
 
