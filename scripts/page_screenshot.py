@@ -13,7 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from test_page import CHROMIUM, DRIVER, png_size, start_server, translate_on_the_page
+from test_page import CHROMIUM, DRIVER, png_size, translate_on_the_page
+from test_serve import start_server
 
 from attnmt import Translator
 from attnmt.serve import Limits

@@ -7,34 +7,18 @@ from __future__ import annotations
 import json
 import shutil
 import struct
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-import uvicorn
-from test_serve import cli_lines, free_port, wait_healthy
+from test_serve import cli_lines, start_server
 
 from attnmt import Translator
-from attnmt.serve import Limits, create_app
+from attnmt.serve import Limits
 
 SENTENCE = "w1 w2 w3 w4"
-
-
-def start_server(translator: Translator, limits: Limits, name: str) -> Iterator[str]:
-    """create_app on a uvicorn server in a thread on a loopback port; yields its URL."""
-    app = create_app(translator, limits, name, access_log=False)
-    config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{config.port}"
-    wait_healthy(url)
-    yield url
-    server.should_exit = True
-    thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")

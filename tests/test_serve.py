@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -102,21 +103,29 @@ def test_serve_answers_the_cli_lines_to_20_concurrent_clients(trained, run_cli, 
     assert any(" GET /health 200 - lines " in x for x in err.splitlines())
 
 
-@pytest.fixture
-def server(trained):
-    """create_app on a uvicorn server in a thread (loopback), with small limits; yields the
-    URL and the Translator (whose translate a test may make block)."""
-    translator = Translator.load(trained[0], device="cpu")
-    app = create_app(translator, Limits(max_lines=4, max_chars=50, max_queue=1))
+def start_server(
+    translator: Translator, limits: Limits, name: str = "", access_log: bool = True
+) -> Iterator[str]:
+    """create_app on a uvicorn server in a thread on a loopback port; yields its URL."""
+    app = create_app(translator, limits, name, access_log)
     config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{config.port}"
     wait_healthy(url)
-    yield url, translator
-    srv.should_exit = True
+    yield url
+    server.should_exit = True
     thread.join(timeout=10)
+
+
+@pytest.fixture
+def server(trained):
+    """A server with small limits; yields the URL and the Translator (whose search a test may
+    make block)."""
+    translator = Translator.load(trained[0], device="cpu")
+    for url in start_server(translator, Limits(max_lines=4, max_chars=50, max_queue=1)):
+        yield url, translator
 
 
 def test_limits_and_bad_requests_get_json_errors(server):
