@@ -41,7 +41,7 @@ from attnmt.kernels import matmul_backend
 from attnmt.kernels.matmul import resolve
 from attnmt.search import SearchOptions, search_options
 from attnmt.seq2seq import AttentionSpec, Seq2Seq
-from attnmt.tokenizer import EOS_ID, Tokenizer
+from attnmt.tokenizer import Tokenizer
 
 
 @dataclass
@@ -282,9 +282,8 @@ class Translator:
     ) -> list[ForcedScore]:
         """How likely the model finds each target as the translation of its source (forced
         decoding): ForcedScore.log_prob (natural log, EOS included), .pieces, .per_piece."""
-        for name, given in (("sources", sources), ("targets", targets)):
-            if isinstance(given, str) or not all(isinstance(x, str) for x in given):
-                raise AttnmtError(f"{name}: expected a list of str")
+        _check_strs("sources", sources)
+        _check_strs("targets", targets)
         with matmul_backend(self.matmul):
             return score_pairs(
                 self.model, self.tokenizer, sources, targets, device=self.device,
@@ -292,10 +291,8 @@ class Translator:
                 prefix=self.source_prefix(target_lang),
             )  # fmt: skip
 
-    def attention_maps(
-        self, line: str, found: Translation, target_lang: str | None = None
-    ) -> torch.Tensor:
-        """The source attention of a translation `found` of `line` (from search), for every
+    def attention_maps(self, found: Translation) -> torch.Tensor:
+        """The source attention of a translation `found` (from search), for every
         decoder layer and head of a Transformer, or the GRU model's (an ensemble: the mean of
         its models' top-layer, head-averaged): (layers, heads, target pieces, source pieces),
         EOS included on both sides, each row summing to 1."""
@@ -303,12 +300,13 @@ class Translator:
         specs = [AttentionSpec()]
         if m.arch == "transformer" and len(self.members) <= 1:
             specs = [AttentionSpec(layer, None, all_heads=True) for layer in range(m.dec_layers)]
-        src = [*self.source_prefix(target_lang), *self.tokenizer.src.encode([line.strip()])[0]]
         if not found.tgt_pieces:  # an empty line: nothing was decoded
             return torch.zeros(len(specs), 1, 0, len(found.src_pieces))
+        # The pieces the search read and wrote (tag and EOS included), back to their ids.
+        src = [self.tokenizer.src.sp.piece_to_id(p) for p in found.src_pieces]
         tgt = [self.tokenizer.tgt.sp.piece_to_id(p) for p in found.tgt_pieces]
         with matmul_backend(self.matmul):
-            return attention_maps(self.model, [*src, EOS_ID], tgt, specs, self.device)
+            return attention_maps(self.model, src, tgt, specs, self.device)
 
     def score_test_set(
         self,
@@ -327,9 +325,8 @@ class Translator:
     @staticmethod
     def score(hypotheses: Sequence[str], references: Sequence[str]) -> Scores:
         """Corpus BLEU and chrF with sacreBLEU (.bleu, .chrf, .bleu_signature, .as_dict())."""
-        for name, given in (("hypotheses", hypotheses), ("references", references)):
-            if isinstance(given, str) or not all(isinstance(x, str) for x in given):
-                raise AttnmtError(f"{name}: expected a list of str")
+        _check_strs("hypotheses", hypotheses)
+        _check_strs("references", references)
         if len(hypotheses) != len(references):
             raise AttnmtError(f"{len(hypotheses)} hypotheses but {len(references)} references")
         return score(hypotheses, references)
@@ -345,6 +342,11 @@ def _check_same_tokenizer(dir_a: Path, a: Tokenizer, dir_b: Path, b: Tokenizer) 
                 f"an ensemble needs one vocabulary: {dir_a / name} and {dir_b / other} are "
                 "different SentencePiece models"
             )
+
+
+def _check_strs(name: str, given: object) -> None:
+    if isinstance(given, str) or not all(isinstance(x, str) for x in given):  # type: ignore[attr-defined]
+        raise AttnmtError(f"{name}: expected a list of str")
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:

@@ -294,25 +294,18 @@ def answer(results: list[list[Translation]], n_best: int) -> dict[str, Any]:
     return out
 
 
-def maps(
-    translator: Translator,
-    lines: list[str],
-    results: list[list[Translation]],
-    target_lang: str | None,
-) -> list[list[dict[str, Any]]]:
+def maps(translator: Translator, results: list[list[Translation]]) -> list[list[dict[str, Any]]]:
     """Each hypothesis's source attention (Translator.attention_maps), as JSON."""
     return [
         [
             {
                 "src_pieces": t.src_pieces,
                 "tgt_pieces": t.tgt_pieces,
-                "weights": translator.attention_maps(line, t, target_lang)
-                .round(decimals=4)
-                .tolist(),
+                "weights": translator.attention_maps(t).round(decimals=4).tolist(),
             }
             for t in found
         ]
-        for line, found in zip(lines, results, strict=True)
+        for found in results
     ]
 
 
@@ -403,9 +396,7 @@ def _translate_route(
         results = waiting.result()
         found = answer(results, options.n_best)
         if request.attention:  # off the event loop: forced decoding is CPU work
-            found["attention"] = await asyncio.to_thread(
-                maps, translator, request.text, results, request.target_lang
-            )
+            found["attention"] = await asyncio.to_thread(maps, translator, results)
         return found
 
     default_openapi = app.openapi
