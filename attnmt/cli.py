@@ -321,6 +321,8 @@ def evaluate(
     output: Annotated[Path | None, typer.Option(
         "--output", "-o", help="Also write the translations here.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    lowercase: Annotated[bool, typer.Option(
+        "--lowercase", "-lc", help="Case-insensitive scores (sacreBLEU's -lc).")] = False,
     beam: Annotated[int | None, typer.Option(
         "--beam", "-b", min=1, max=100, help="Beam size with --model (default: config).")] = None,
     weights: WeightsOption = "best",
@@ -353,7 +355,7 @@ def evaluate(
         _, hyps = translator.score_test_set(lines, refs, beam, target_lang)
         if output is not None:
             atomic_write_bytes(output, "".join(h + "\n" for h in hyps).encode("utf-8"))
-    s = score(hyps, refs, more, ter=True)
+    s = score(hyps, refs, more, ter=True, lowercase=lowercase)
     if as_json:
         typer.echo(json.dumps(s.as_dict()))
     else:

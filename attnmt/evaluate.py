@@ -188,17 +188,20 @@ def score(
     references: Sequence[str],
     more_references: Sequence[Sequence[str]] = (),
     ter: bool = False,
+    lowercase: bool = False,
 ) -> Scores:
-    """Corpus BLEU and chrF (sacreBLEU defaults: 13a tokenization, mixed case), and TER if
-    asked, against one or more references per line (`more_references`: further sets)."""
+    """Corpus BLEU and chrF (sacreBLEU defaults: 13a tokenization, mixed case; `lowercase`:
+    case-insensitive, sacreBLEU's -lc), and TER if asked, against one or more references per
+    line (`more_references`: further sets)."""
     if not hypotheses:
         raise DataError("nothing to score: no lines")
     hyps, refs = list(hypotheses), [list(references), *map(list, more_references)]
-    bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
+    bleu = sacrebleu.metrics.BLEU(lowercase=lowercase)
+    chrf = sacrebleu.metrics.CHRF(lowercase=lowercase)
     b, c = bleu.corpus_score(hyps, refs), chrf.corpus_score(hyps, refs)
     found = Scores(b.score, c.score, str(bleu.get_signature()), str(chrf.get_signature()), str(b))
     if ter:
-        metric = sacrebleu.metrics.TER()
+        metric = sacrebleu.metrics.TER(case_sensitive=not lowercase)
         found.ter = metric.corpus_score(hyps, refs).score
         found.ter_signature = str(metric.get_signature())
     return found

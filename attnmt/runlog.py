@@ -91,6 +91,7 @@ class Throughput:
     tokens: int
     seconds: float
     padding: float  # share of padded source + target positions
+    src_tokens: int  # real source tokens (EOS included)
 
 
 class ThroughputMeter:
@@ -117,6 +118,7 @@ class ThroughputMeter:
             self.tokens,
             seconds,
             1.0 - self.real / max(self.positions, 1.0),
+            round(self.real) - self.tokens,
         )
         self._reset(now)
         return out

@@ -458,6 +458,7 @@ def log_train(run: Run, result: StepResult, window: Throughput) -> None:
         lr=result.lr,
         tokens_per_s=round(window.tokens_per_s, 1),
         tokens=window.tokens,
+        src_tokens=window.src_tokens,
         seconds=round(window.seconds, 4),
         padding=round(window.padding, 4),
         teacher_forcing=result.teacher_forcing,

@@ -1,8 +1,10 @@
 #!/usr/bin/env python
 """Benchmarks (figures for the README and issues; never timed in unit tests).
 
-    python scripts/bench.py train [--data DIR] [--steps 200] [--warmup 50] [--configs T,R]
-                                  [--threads 2] [--procs 1] [--dev-sentences 500]
+    python scripts/bench.py train [--data DIR] [--steps 200] [--warmup 50] [--configs T,R,base]
+                                  [--device cpu|cuda] [--threads 2] [--procs 1]
+                                  [--dev-sentences 500] [--synthetic N] [--tatoeba TSV]
+                                  [--vocab 8000] [--tokenizer SPM] [--batch-tokens N]
                                   [--set KEY=VALUE ...]
     python scripts/bench.py data [--pairs 1000000] [--steps 20] [--tatoeba TSV] [--work DIR]
     python scripts/bench.py serve --model DIR [--data DIR] [--clients 1,8,32] [--sizes 1,16]
@@ -34,22 +36,9 @@ sending 1 or 16 sentences a request: sentences/s, p50/p99 latency, against the b
 data: see scripts/bench_data.py (a synthetic corpus of --pairs pairs from Tatoeba: time and
 memory from the text to the first steps, and a resume's start-up).
 
-train: trains each config under test (T: Transformer 3+3, d256, 4 heads, FF 1024, ~4,096-token
-batches; R: bi-GRU 256 per direction + GRU decoder with Bahdanau attention, 64 sentences per
-batch; both as in ../shared/peers) for --steps steps on Multi30k de-en with `attnmt train`, one
-child process per config, and prints one JSON line per config: tokens_per_s (target tokens per
-second, median over the steps after --warmup), tokens_per_s_wall (their sum over the summed
-step times), padding (share of padded source + target positions), model_gflops (6 x
-parameters x tokens_per_s), matmul (the library the run's fp32 CPU matmuls took: blas or
-onednn, from train.matmul, default auto), peak_gflops (best square-matmul rate measured in this
-process with the same threads, in the run's precision: fp32 unless --set
-train.precision=bf16|fp16; in fp32 the better of the BLAS and oneDNN, each in
-peak_gflops_by_library),
-peak_share, max_rss_mb (the child's peak resident memory; with --procs, the largest
-process's), dev_loss (on the first --dev-sentences val pairs after the last step: compares
-precisions or code changes after the same number of steps). --procs N trains data-parallel
-over N processes (torchrun, DDP over gloo), each with threads/N threads and 1/N of the batch
-(T's tokens, R's sentences), so a step still covers about the same target tokens.
+train: see scripts/bench_train.py (training speed of T, R or the base Transformer on Multi30k
+or a synthetic Tatoeba corpus, on the CPU or a GPU: tokens/s, model FLOPs and their share
+of the peak, the MFU).
 """
 
 from __future__ import annotations
@@ -57,22 +46,18 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import resource
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
-import yaml
+from bench_train import add_train_args, bench_train
 
 from attnmt.checkpoint import load_model_dir
 from attnmt.data import read_lines
-from attnmt.device import DECODE_PRECISIONS, MATMUL_BACKENDS, PRECISION_DTYPES, resolve_precision
+from attnmt.device import DECODE_PRECISIONS, MATMUL_BACKENDS
 from attnmt.evaluate import for_decoding, score, translate
 from attnmt.kernels import matmul
 from attnmt.search import Beam, Greedy, SearchOptions
@@ -155,157 +140,6 @@ def _weights_bytes(model_dir: Path) -> int:
     return (best if best.is_file() else model_dir / "last.safetensors").stat().st_size
 
 
-# The configs under test, matching ../shared/peers/configs/onmt_{T,R}.yaml (see the README).
-TRAIN_CONFIGS: dict[str, dict[str, Any]] = {
-    "T": {
-        "model": {
-            "arch": "transformer", "hidden_size": 256, "heads": 4, "ff_size": 1024,
-            "enc_layers": 3, "dec_layers": 3, "dropout": 0.1, "attention_dropout": 0.1,
-            "norm": "pre", "tie_embeddings": True,
-        },
-        "train": {
-            "batch_tokens": 4096, "lr": 0.001, "lr_schedule": "inverse_sqrt",
-            "warmup_steps": 800, "label_smoothing": 0.1, "adam_betas": [0.9, 0.98],
-        },
-    },
-    "R": {
-        "model": {
-            "arch": "rnn", "emb_size": 256, "hidden_size": 256, "enc_layers": 1,
-            "dec_layers": 1, "attention": "bahdanau", "dropout": 0.2, "tie_embeddings": False,
-        },
-        "train": {
-            "batch_tokens": 100_000, "batch_sentences": 64, "lr": 0.0003,
-            "lr_schedule": "constant", "warmup_steps": 0, "label_smoothing": 0.0,
-            "clip_grad_norm": 5.0, "adam_betas": [0.9, 0.999],
-        },
-    },
-}  # fmt: skip
-
-
-def matmul_peak_gflops(
-    threads: int,
-    dtype: torch.dtype = torch.float32,
-    sizes: tuple[int, ...] = (1024, 2048),
-    reps: int = 5,
-) -> float:
-    """Best GFLOP/s of square `dtype` matmuls on the CPU with `threads` threads, through the
-    backend in use (attnmt.matmul: the BLAS or oneDNN)."""
-    torch.set_num_threads(threads)
-    best = 0.0
-    for n in sizes:
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        matmul.mm(a, b)  # warm-up
-        for _ in range(reps):
-            start = time.perf_counter()
-            matmul.mm(a, b)
-            best = max(best, 2 * n**3 / (time.perf_counter() - start) / 1e9)
-    return best
-
-
-def bench_train(args: argparse.Namespace) -> None:
-    data = args.data.absolute()
-    threads_per_rank = args.threads // args.procs
-    for name in args.configs:
-        with tempfile.TemporaryDirectory(prefix=f"attnmt-bench-{name}-") as tmp:
-            work = Path(tmp)
-            # Validation runs once, after the last step, outside the timed steps: its dev loss
-            # compares runs of the same config (e.g. fp32 vs bf16) after the same steps.
-            n_dev = args.dev_sentences
-            dev_src, dev_tgt = work / "dev.de", work / "dev.en"
-            dev_src.write_text("\n".join(read_lines(data / "val.de.gz")[:n_dev]) + "\n")
-            dev_tgt.write_text("\n".join(read_lines(data / "val.en.gz")[:n_dev]) + "\n")
-            cfg = {
-                "data": {
-                    "train": {"src": str(data / "train.de.gz"), "tgt": str(data / "train.en.gz")},
-                    "dev": {"src": str(dev_src), "tgt": str(dev_tgt)},
-                    "max_len": 100,
-                },
-                "tokenizer": {"vocab_size": 8000, "joint": True},
-                "model": TRAIN_CONFIGS[name]["model"],
-                "train": {
-                    **TRAIN_CONFIGS[name]["train"],
-                    "max_steps": args.steps,
-                    "eval_every": args.steps + 1,
-                    "log_every": 1,
-                    "threads": threads_per_rank,
-                    "device": "cpu",
-                    "seed": 1234,
-                },
-            }
-            # R's batches are counted in sentences (its token limit is only a cap), T's in tokens.
-            per_rank = "batch_sentences" if "batch_sentences" in cfg["train"] else "batch_tokens"
-            cfg["train"][per_rank] //= args.procs
-            (work / "config.yaml").write_text(yaml.safe_dump(cfg))
-            precision = next(
-                (a.split("=", 1)[1] for a in args.set if a.startswith("train.precision=")), "fp32"
-            )
-            precision = resolve_precision(precision, torch.device("cpu"))
-            dtype = PRECISION_DTYPES.get(precision, torch.float32)
-            # The machine's fp32 peak: the better of the two libraries (attnmt.matmul).
-            peaks = {}
-            for lib in ("blas", "onednn") if dtype == torch.float32 else ("blas",):
-                with matmul.matmul_backend(lib) as used:
-                    peaks[used] = max(peaks.get(used, 0.0), matmul_peak_gflops(args.threads, dtype))
-            peak = max(peaks.values())
-            cmd = [sys.executable, "-m", "attnmt", "train", "--config", str(work / "config.yaml")]
-            if args.procs > 1:
-                # Data parallel over processes (DDP over gloo): each rank takes 1/procs of a
-                # batch and of the threads, so an optimizer step sees the same tokens.
-                run = ["-m", "torch.distributed.run", "--standalone"]
-                cmd[1:1] = [*run, "--nproc_per_node", str(args.procs)]
-            cmd += ["--out", str(work / "model"), "--quiet"]
-            for assignment in args.set:
-                cmd += ["--set", assignment]
-            env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank)}
-            child = subprocess.Popen(cmd, env=env)
-            _, status, usage = os.wait4(child.pid, 0)
-            if status != 0:
-                raise SystemExit(f"bench train {name}: attnmt train failed ({status})")
-            events = [
-                json.loads(line)
-                for line in (work / "model" / "train_log.jsonl").read_text().splitlines()
-            ]
-        params = next(e["parameters"] for e in events if e["event"] == "model")
-        backend = next(e.get("matmul") for e in events if e["event"] == "model")
-        steps = [e for e in events if e["event"] == "train" and e["step"] > args.warmup]
-        rates = [e["tokens"] / e["seconds"] for e in steps]
-        tokens = sum(e["tokens"] for e in steps)
-        seconds = sum(e["seconds"] for e in steps)
-        tok_s = statistics.median(rates)
-        padding = statistics.mean(e["padding"] for e in steps)
-        dev_loss = [e["dev_loss"] for e in events if e["event"] == "validation"][-1]
-        model_gflops = 6 * params * tok_s / 1e9
-        print(
-            json.dumps(
-                {
-                    "bench": "train",
-                    "config": name,
-                    "arch": cfg["model"]["arch"],
-                    "parameters": params,
-                    "steps_measured": len(steps),
-                    "tokens_per_step": round(tokens / len(steps), 1),
-                    "tokens_per_s": round(tok_s, 1),
-                    "tokens_per_s_wall": round(tokens / seconds, 1),
-                    "seconds_per_step": round(seconds / len(steps), 3),
-                    "padding": round(padding, 4),
-                    "model_gflops": round(model_gflops, 1),
-                    "precision": precision,
-                    "matmul": backend,
-                    "peak_gflops": round(peak, 1),
-                    "peak_gflops_by_library": {k: round(v, 1) for k, v in peaks.items()},
-                    "peak_share": round(model_gflops / peak, 3),
-                    "max_rss_mb": round(usage.ru_maxrss / 1024, 1),
-                    "dev_loss": round(dev_loss, 4),
-                    "dev_sentences": args.dev_sentences,
-                    "threads": args.threads,
-                    "procs": args.procs,
-                    "overrides": args.set,
-                }
-            ),
-            flush=True,
-        )
-
-
 def add_decode_args(d: argparse.ArgumentParser) -> None:
     """The options of `decode` (and of `export`, which runs decode first)."""
     d.add_argument("--model", type=Path, action="append", required=True, help="model directory")
@@ -340,26 +174,8 @@ def main() -> int:
         "--compute-types", type=lambda s: s.split(","), default=["float32", "int8"],
         help="CTranslate2 compute types, e.g. float32,int8",
     )  # fmt: skip
-    t = sub.add_parser("train", help="training speed on Multi30k de-en")
-    t.add_argument("--data", type=Path, default=Path("data/multi30k"), help="Multi30k folder")
-    t.add_argument("--steps", type=int, default=200, help="training steps per config")
-    t.add_argument("--warmup", type=int, default=50, help="steps left out of the figures")
-    t.add_argument(
-        "--configs", type=lambda s: s.split(","), default=["T", "R"], help="e.g. T,R or T"
-    )
-    t.add_argument("--threads", type=int, default=2, help="threads in all")
-    t.add_argument(
-        "--procs",
-        type=int,
-        default=1,
-        help="data-parallel processes (torchrun, gloo), each with threads/procs threads",
-    )
-    t.add_argument(
-        "--dev-sentences", type=int, default=500, help="val sentences for the final dev loss"
-    )
-    t.add_argument(
-        "--set", action="append", default=[], help="extra config override, e.g. train.compile=true"
-    )
+    t = sub.add_parser("train", help="training speed (CPU or CUDA), MFU")
+    add_train_args(t)
     g = sub.add_parser("data", help="a large synthetic corpus: encoding, memory, resume")
     g.add_argument("--pairs", type=int, default=1_000_000, help="synthetic training pairs")
     g.add_argument("--steps", type=int, default=20, help="training steps")

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The GPU measurements of docs/gpu.md, in stages, on a machine with a CUDA GPU and its own torch:
+#   bash scripts/gpu_run.sh setup converge suite profile bench
+# setup:    wheels from .whl/ (what that machine lacks) into /tmp/site, attnmt installed with -e,
+#           data/multi30k from .gpu/multi30k when there is none.
+# suite:    the whole test suite (tests/test_cuda.py runs there; other tests on the CPU, or on
+#           the GPU where they take device auto), 6 workers, in the background of `converge`.
+# converge: configs/multi30k_de_en_{transformer,rnn}_gpu.yaml trained, then test_2016_flickr
+#           scored with beam 5 (cased, and lowercased -lc), best and averaged weights.
+# profile:  torch.profiler over 10 steps of the base Transformer (bf16, 32k vocabulary).
+# bench:    scripts/bench.py train rows: base eager and compiled, T and R (bf16).
+# Logs go to $OUT (default /tmp/gpu-out).
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+TATOEBA=.gpu/tatoeba/fra-eng.tsv.gz
+BASE=(--configs base --device cuda --synthetic 1000000 --tatoeba "$TATOEBA"
+      --tokenizer .gpu/joint32k.model --set train.precision=bf16)
+suite_pid=""
+for stage in "$@"; do
+  echo "== $stage $(date +%T)"
+  case $stage in
+    setup)
+      if compgen -G ".whl/*.whl" >/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+          --target /tmp/site .whl/*.whl || exit 1
+      fi
+      python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
+      [ -e data/multi30k ] || { mkdir -p data && ln -s "$PWD/.gpu/multi30k" data/multi30k; }
+      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+      python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
+      ;;
+    suite)
+      OMP_NUM_THREADS=2 python3 -m pytest -q -n 6 -p no:cacheprovider -W ignore \
+        >"$OUT/suite.log" 2>&1 &
+      suite_pid=$!
+      ;;
+    converge)
+      for arch in transformer rnn; do
+        dir=runs/gpu_$arch
+        rm -rf "$dir"
+        attnmt train --config "configs/multi30k_de_en_${arch}_gpu.yaml" --out "$dir" --quiet \
+          >"$OUT/train_$arch.log" 2>&1
+        tail -n 3 "$dir/train.log"
+        ref=data/multi30k/test_2016_flickr.en.gz
+        for w in best averaged; do
+          hyp=$OUT/test_${arch}_$w.txt
+          attnmt eval -m "$dir" --weights "$w" --beam 5 -s data/multi30k/test_2016_flickr.de.gz \
+            -r $ref -o "$hyp" --json | sed "s/^/$arch $w cased /"
+          attnmt eval --hyp "$hyp" -r $ref -lc --json | sed "s/^/$arch $w lc /"
+        done
+        cp "$dir/train_log.jsonl" "$OUT/train_log_$arch.jsonl"
+      done
+      ;;
+    profile)
+      python3 scripts/profile_train.py "${BASE[@]}" --synthetic 200000 --warmup 5 --profile-steps 10 \
+        >"$OUT/profile_base.txt" 2>&1
+      tail -n 2 "$OUT/profile_base.txt"
+      ;;
+    bench)
+      python3 scripts/bench.py train "${BASE[@]}" --steps 120 --warmup 20 | tee "$OUT/bench.jsonl"
+      python3 scripts/bench.py train "${BASE[@]}" --steps 150 --warmup 50 \
+        --set train.compile=true | tee -a "$OUT/bench.jsonl"
+      python3 scripts/bench.py train --configs T,R --device cuda --steps 300 --warmup 50 \
+        --set train.precision=bf16 | tee -a "$OUT/bench.jsonl"
+      ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
+if [ -n "$suite_pid" ]; then
+  wait "$suite_pid"
+  tail -n 25 "$OUT/suite.log"
+fi

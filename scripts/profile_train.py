@@ -1,0 +1,78 @@
+#!/usr/bin/env python
+"""Where a training step's time goes: torch.profiler over a few steps of a bench config.
+
+    python scripts/profile_train.py [bench.py train's options] [--profile-steps 10]
+                                    [--trace FILE.json]
+
+Sets up the run as `attnmt train` does (same config as scripts/bench.py train builds), trains
+--warmup steps unprofiled, then --profile-steps under torch.profiler, and prints the operators
+by their total device time (CUDA) or CPU time, and the step's wall time. --trace writes a
+Chrome trace (chrome://tracing, Perfetto).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from bench_train import add_train_args, train_config
+from torch.profiler import ProfilerActivity, profile
+
+from attnmt import train as train_mod
+from attnmt.config import from_dict
+from attnmt.device import resolve_device
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_train_args(ap)
+    ap.add_argument("--profile-steps", type=int, default=10)
+    ap.add_argument("--trace", type=Path, help="write a Chrome trace here")
+    args = ap.parse_args()
+    name = args.configs[0]
+    device = resolve_device(args.device)
+    with tempfile.TemporaryDirectory(prefix="attnmt-profile-") as tmp:
+        work = Path(tmp)
+        raw = train_config(args, name, work)
+        for assignment in args.set:
+            key, value = assignment.split("=", 1)
+            section, field = key.split(".", 1)
+            raw[section][field] = yaml.safe_load(value)
+        cfg = from_dict(raw)
+        out = work / "model"
+        train_mod.prepare_output_dir(out, overwrite=False, resume=False)
+        log = train_mod.RunLog(out, quiet=True)
+        run = train_mod.setup(cfg, out, False, train_mod.distributed.Ranks(), device, log)
+        batches = iter(run.sampler.epoch(1))
+
+        def steps(n: int) -> float:
+            start = time.perf_counter()
+            for _ in range(n):
+                train_mod.train_step(run, [next(batches)], False)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            return (time.perf_counter() - start) / n
+
+        steps(args.warmup)
+        activities = [ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        with profile(activities=activities) as prof:
+            per_step = steps(args.profile_steps)
+        sort = "device_time_total" if device.type == "cuda" else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=40))
+        print(f"{name}: {per_step * 1000:.1f} ms a step under the profiler")
+        print(f"{name}: {steps(args.profile_steps) * 1000:.1f} ms a step without it")
+        if args.trace:
+            prof.export_chrome_trace(str(args.trace))
+        log.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
