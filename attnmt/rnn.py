@@ -211,7 +211,7 @@ class RNNSeq2Seq(Seq2Seq):
         tf_ratio: float = 1.0,
         label_smoothing: float = 0.0,
         generator: torch.Generator | None = None,
-    ) -> tuple[torch.Tensor, int]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         memory = self.encode(batch.src, batch.src_pad_mask)
         hidden = self.init_state(memory)
         if tf_ratio < 1.0:

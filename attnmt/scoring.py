@@ -31,7 +31,7 @@ def dev_loss(model: Seq2Seq, split: EncodedSplit, batch_tokens: int, device: tor
         ).to(device)
         loss, n = model.loss(batch)
         total += float(loss)
-        tokens += n
+        tokens += int(n)
     model.train()
     return total / max(tokens, 1)
 

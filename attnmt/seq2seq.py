@@ -79,7 +79,7 @@ class Seq2Seq(nn.Module):
         tf_ratio: float = 1.0,
         label_smoothing: float = 0.0,
         generator: torch.Generator | None = None,
-    ) -> tuple[torch.Tensor, int]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The same as `loss`: the call that DistributedDataParallel and torch.compile wrap."""
         return self.loss(batch, tf_ratio, label_smoothing, generator)
 
@@ -89,7 +89,7 @@ class Seq2Seq(nn.Module):
         tf_ratio: float = 1.0,
         label_smoothing: float = 0.0,
         generator: torch.Generator | None = None,
-    ) -> tuple[torch.Tensor, int]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed token loss of a batch and its number of real target tokens.
 
         tf_ratio is the probability of feeding the gold previous token (teacher forcing); with
@@ -100,13 +100,14 @@ class Seq2Seq(nn.Module):
 
 def sequence_loss(
     logits: torch.Tensor, target: torch.Tensor, label_smoothing: float
-) -> tuple[torch.Tensor, int]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Label-smoothed cross-entropy summed over non-pad positions.
 
     Args:
         logits: (B, T, V); target: (B, T) with PAD_ID at padding.
     Returns:
-        (summed loss, number of non-pad target tokens).
+        (summed loss, number of non-pad target tokens), both 0-dim tensors: reading the
+        count here would make the host wait for the device (and break a compiled graph).
     """
     V = logits.size(-1)
     loss = F.cross_entropy(
@@ -116,7 +117,7 @@ def sequence_loss(
         label_smoothing=label_smoothing,
         reduction="sum",
     )
-    return loss, int((target != PAD_ID).sum())
+    return loss, (target != PAD_ID).sum()
 
 
 def gold_coins(

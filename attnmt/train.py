@@ -345,17 +345,16 @@ def train_step(run: Run, idxs: list[list[int]], signalled: bool) -> StepResult:
     ranks), so one update over N batches is one over their union. `signalled`: this rank
     received a stop signal."""
     t, p, ranks = run.cfg.train, run.progress, run.ranks
-    batches = [
-        collate(*run.train_data.pairs(idx), idx, PAD_ID, BOS_ID, EOS_ID).to(run.device)
-        for idx in idxs
-    ]
+    on_host = [collate(*run.train_data.pairs(idx), idx, PAD_ID, BOS_ID, EOS_ID) for idx in idxs]
+    # Counted on the host: read from the device, each count would wait for the GPU.
+    n_tokens = sum(b.n_tokens for b in on_host)
+    positions = sum(b.src.numel() + b.tgt_out.numel() for b in on_host)
+    real = n_tokens + sum(b.n_src_tokens for b in on_host)
+    batches = [b.to(run.device) for b in on_host]
     step = p.step + 1
     if ranks.world > 1:
         torch.manual_seed(distributed.step_seed(t.seed, ranks.rank, p.step))
         run.tf_generator.manual_seed(distributed.step_seed(t.seed + 1, ranks.rank, p.step))
-    n_tokens = sum(b.n_tokens for b in batches)
-    positions = sum(b.src.numel() + b.tgt_out.numel() for b in batches)
-    real = n_tokens + sum(int((~b.src_pad_mask).sum()) for b in batches)
     # Every rank normalises by the tokens of all ranks; DDP's mean of the ranks' gradients is
     # then the gradient of the loss per token of the whole step. The time budget is rank 0's.
     step_tokens, step_positions, step_real, budget_used = ranks.sum(

@@ -328,7 +328,7 @@ class TransformerSeq2Seq(Seq2Seq):
         tf_ratio: float = 1.0,
         label_smoothing: float = 0.0,
         generator: torch.Generator | None = None,
-    ) -> tuple[torch.Tensor, int]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         memory = self.encode(batch.src, batch.src_pad_mask)
         tgt_in = batch.tgt_in  # (B, T)
         if tf_ratio < 1.0:

@@ -8,7 +8,9 @@
 # converge: configs/multi30k_de_en_{transformer,rnn}_gpu.yaml trained, then test_2016_flickr
 #           scored with beam 5 (cased, and lowercased -lc), best and averaged weights.
 # profile:  torch.profiler over 10 steps of the base Transformer (bf16, 32k vocabulary).
-# bench:    scripts/bench.py train rows: base eager and compiled, T and R (bf16).
+# bench, bench-compiled, bench-small: scripts/bench.py train rows (bf16): the base Transformer
+#           eager, then compiled; T and R.
+# cuda-tests: tests/test_cuda.py and the modules that failed on the GPU machine before.
 # Logs go to $OUT (default /tmp/gpu-out).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
@@ -58,11 +60,22 @@ for stage in "$@"; do
       tail -n 2 "$OUT/profile_base.txt"
       ;;
     bench)
-      python3 scripts/bench.py train "${BASE[@]}" --steps 120 --warmup 20 | tee "$OUT/bench.jsonl"
+      python3 scripts/bench.py train "${BASE[@]}" --steps 120 --warmup 20 | tee -a "$OUT/bench.jsonl"
+      ;;
+    bench-compiled)
       python3 scripts/bench.py train "${BASE[@]}" --steps 150 --warmup 50 \
         --set train.compile=true | tee -a "$OUT/bench.jsonl"
+      ;;
+    bench-small)
       python3 scripts/bench.py train --configs T,R --device cuda --steps 300 --warmup 50 \
         --set train.precision=bf16 | tee -a "$OUT/bench.jsonl"
+      ;;
+    cuda-tests)
+      lscpu | grep -E "Model name|^CPU\(s\)|Flags" | cut -c1-400
+      OMP_NUM_THREADS=2 python3 -m pytest -q -n 6 -p no:cacheprovider -W ignore \
+        tests/test_cuda.py tests/test_cli.py tests/test_int8.py tests/test_reliability.py \
+        tests/test_train.py tests/test_search.py >"$OUT/cuda_tests.log" 2>&1
+      tail -n 15 "$OUT/cuda_tests.log"
       ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

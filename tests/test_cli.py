@@ -193,7 +193,7 @@ def test_train_translate_eval_end_to_end(tmp_path: Path, corpus, run_cli, arch, 
     out2 = tmp_path / "hyp2.txt"
     r = run_cli(
         "translate", "-m", str(model), "-i", str(corpus["dev_src"]), "-o", str(out2),
-        "--workers", "2", "--batch-tokens", "40",
+        "--workers", "2", "--batch-tokens", "40", "--device", "cpu",
     )  # fmt: skip
     assert r.code == 0, r.stderr
     assert out2.read_text() == out.read_text()
@@ -228,7 +228,8 @@ def test_train_translate_eval_end_to_end(tmp_path: Path, corpus, run_cli, arch, 
             for workers in ("1", "2"):
                 r = run_cli(
                     "translate", "-m", str(model), "-i", str(corpus["dev_src"]), "-o", str(out4),
-                    "--matmul", "onednn", "--workers", workers, "--batch-tokens", "40",
+                    "--matmul", "onednn", "--workers", workers, "--batch-tokens", "40", "--device",
+                    "cpu",
                 )  # fmt: skip
                 assert r.code == 0, r.stderr
                 assert out4.read_text() == out.read_text()

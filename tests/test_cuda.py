@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def config(corpus, arch: str = "transformer", **train_overrides) -> dict:
     raw = tiny_config(corpus, arch)
     raw["model"]["dropout"] = 0.1
-    raw["train"].update(device="cuda", **train_overrides)
+    raw["train"].update({"device": "cuda", **train_overrides})
     return raw
 
 
@@ -45,13 +45,14 @@ def finite_weights(out: Path) -> bool:
 @pytest.mark.parametrize("arch", ["transformer", "rnn"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_training_on_cuda_gives_finite_losses(tmp_path: Path, corpus, arch, precision):
-    summary = train(from_dict(config(corpus, arch, precision=precision)), tmp_path, quiet=True)
-    log = events(tmp_path)
+    out = tmp_path / "m"
+    summary = train(from_dict(config(corpus, arch, precision=precision)), out, quiet=True)
+    log = events(out)
     model = next(e for e in log if e["event"] == "model")
     assert model["device"].startswith("cuda") and model["precision"] == precision
     losses = [e["loss"] for e in log if e["event"] == "train"]
     assert summary["steps"] == 8 and losses and all(map(torch.isfinite, torch.tensor(losses)))
-    assert finite_weights(tmp_path)
+    assert finite_weights(out)
 
 
 def test_fp16_overflow_steps_are_skipped_and_logged(tmp_path: Path, corpus, monkeypatch):
@@ -63,11 +64,12 @@ def test_fp16_overflow_steps_are_skipped_and_logged(tmp_path: Path, corpus, monk
         return scaler(*args, init_scale=2.0**40, **kwargs)
 
     monkeypatch.setattr(torch.amp, "GradScaler", huge_scale)
-    summary = train(from_dict(config(corpus, precision="fp16")), tmp_path, quiet=True)
-    overflows = [e for e in events(tmp_path) if e["event"] == "fp16_overflow"]
+    out = tmp_path / "m"
+    summary = train(from_dict(config(corpus, precision="fp16")), out, quiet=True)
+    overflows = [e for e in events(out) if e["event"] == "fp16_overflow"]
     assert overflows and summary["skipped_nonfinite_steps"] == len(overflows)
     assert overflows[-1]["scale"] < overflows[0]["scale"] <= 2.0**40
-    assert summary["steps"] == 8 and finite_weights(tmp_path)
+    assert summary["steps"] == 8 and finite_weights(out)
 
 
 @pytest.fixture
@@ -104,8 +106,9 @@ def test_compiled_training_on_cuda_matches_eager(tmp_path: Path, corpus):
 
 def test_auto_device_is_cuda(tmp_path: Path, corpus):
     assert resolve_device("auto").type == "cuda"
-    train(from_dict(config(corpus, device="auto", max_steps=2, eval_every=2)), tmp_path, quiet=True)
-    model = next(e for e in events(tmp_path) if e["event"] == "model")
+    out = tmp_path / "m"
+    train(from_dict(config(corpus, device="auto", max_steps=2, eval_every=2)), out, quiet=True)
+    model = next(e for e in events(out) if e["event"] == "model")
     assert model["device"].startswith("cuda") and model["precision"] == "fp32"
 
 
@@ -113,10 +116,10 @@ def test_auto_device_is_cuda(tmp_path: Path, corpus):
 def test_translation_on_cuda_equals_cpu(tmp_path: Path, corpus, arch):
     # Trained long enough to translate the toy language, so that lines are not near-ties.
     raw = config(corpus, arch, max_steps=300, eval_every=300, lr=0.01, warmup_steps=20)
-    train(from_dict(raw), tmp_path, quiet=True)
+    train(from_dict(raw), tmp_path / "m", quiet=True)
     lines = corpus["train_src"].read_text().splitlines()
     for beam in (1, 5):
-        on_cpu = Translator.load(tmp_path, device="cpu").translate(lines, beam=beam)
-        on_gpu = Translator.load(tmp_path, device="cuda").translate(lines, beam=beam)
+        on_cpu = Translator.load(tmp_path / "m", device="cpu").translate(lines, beam=beam)
+        on_gpu = Translator.load(tmp_path / "m", device="cuda").translate(lines, beam=beam)
         same = sum(a == b for a, b in zip(on_cpu, on_gpu, strict=True))
         assert same >= 0.99 * len(lines), f"beam {beam}: {same} of {len(lines)} lines equal"

@@ -61,8 +61,9 @@ def test_int8_from_the_cli_and_the_config(models, run_cli, tmp_path: Path, monke
     model = models["rnn"]
     src = tmp_path / "in.txt"
     src.write_text("\n".join(LINES[:6]) + "\n")
-    fp32 = run_cli("translate", "-m", str(model), "-i", str(src), "--beam", "1")
-    r = run_cli("translate", "-m", str(model), "-i", str(src), "--beam", "1", "--precision", "int8")
+    args = ("translate", "-m", str(model), "-i", str(src), "--beam", "1", "--device", "cpu")
+    fp32 = run_cli(*args)
+    r = run_cli(*args, "--precision", "int8")
     assert r.code == 0, r.stderr
     assert fp32.code == 0 and len(r.stdout.splitlines()) == 6
     r = run_cli("translate", "-m", str(model), "-i", str(src), "--precision", "int4")

@@ -164,7 +164,7 @@ def test_search_workers_die_with_their_parent(model: Path, tmp_path: Path, sig):
     env = {**os.environ, "OMP_NUM_THREADS": "2"}  # 1 thread per worker: forked processes
     proc = subprocess.Popen(
         [sys.executable, "-m", "attnmt", "translate", "-m", str(model), "-i", str(src),
-         "--workers", "2", "--batch-tokens", "40", "--beam", "2"],
+         "--workers", "2", "--batch-tokens", "40", "--beam", "2", "--device", "cpu"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
     )  # fmt: skip
     workers: set[int] = set()

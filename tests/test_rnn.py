@@ -170,7 +170,7 @@ def test_fused_training_follows_the_autograd_loss_curve():
             opt.zero_grad()
             (loss / n).backward()
             opt.step()
-            losses.append(loss.item() / n)
+            losses.append(loss.item() / int(n))
         curves.append(losses)
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert curves[0][-1] < curves[0][0]

@@ -3,12 +3,22 @@ it is the faster way to compute attnmt.attention's equations.
 
 Why not always: the fused kernel returns no weights, and on CPU it draws its dropout mask with
 the slow `bernoulli_`, where the plain equations with kernels.ops.dropout are faster.
+
+On a GPU, cuDNN's attention is left out of torch's choice: it builds an execution plan for
+every new shape (13 ms of host time a call on an H100, measured), and training batches come in
+hundreds of shapes; flash and memory-efficient attention have no such cost.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# The kernels torch may pick from on a GPU (module docstring): not cuDNN's.
+GPU_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def fused_attention(
@@ -38,6 +48,8 @@ def fused_attention(
         causal_mask = torch.zeros(T_q, T_k, dtype=mask.dtype, device=q.device)
         mask = mask + causal_mask.masked_fill(future, float("-inf"))  # (B, h|1, T_q, T_k)
         causal = False
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal
-    )  # (B, h, T_q, d_v)
+    backends = sdpa_kernel(GPU_BACKENDS) if q.is_cuda else contextlib.nullcontext()
+    with backends:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal
+        )  # (B, h, T_q, d_v)

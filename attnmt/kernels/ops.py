@@ -351,7 +351,7 @@ def linear_cross_entropy(
     ignore_index: int,
     label_smoothing: float = 0.0,
     chunk: int = 1024,
-) -> tuple[torch.Tensor, int]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed label-smoothed cross-entropy of F.linear(hidden, weight) against target.
 
     Same value and gradients as F.cross_entropy(F.linear(hidden, weight), target,
@@ -365,16 +365,20 @@ def linear_cross_entropy(
     """
     d = hidden.size(-1)
     keep = target.reshape(-1) != ignore_index  # (N,)
+    if _use_plain_ops(hidden):
+        # Every position through the projection, padding ignored by the loss: picking the real
+        # positions first would make the host wait for the device to count them.
+        logits = F.linear(hidden.reshape(-1, d), weight).float()  # (N, V)
+        loss = F.cross_entropy(
+            logits, target.reshape(-1), ignore_index=ignore_index,
+            label_smoothing=label_smoothing, reduction="sum",
+        )  # fmt: skip
+        return loss, keep.sum()
     h = hidden.reshape(-1, d)[keep]  # (n, d): padding never reaches the projection
     t = target.reshape(-1)[keep]  # (n,)
-    n = int(t.numel())
-    if _use_plain_ops(hidden):
-        logits = F.linear(h, weight).float()  # (n, V)
-        loss = F.cross_entropy(logits, t, label_smoothing=label_smoothing, reduction="sum")
-        return loss, n
     # Under CPU autocast the matmuls take its dtype, as F.linear would; the function's own
     # casts are explicit, so autocast is off inside it.
     mm_dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
     with torch.autocast("cpu", enabled=False):
         loss = _LinearCrossEntropy.apply(h, weight, t, label_smoothing, chunk, mm_dtype)
-    return loss, n
+    return loss, keep.sum()
