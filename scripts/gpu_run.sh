@@ -73,8 +73,7 @@ for stage in "$@"; do
     cuda-tests)
       lscpu | grep -E "Model name|^CPU\(s\)|Flags" | cut -c1-400
       OMP_NUM_THREADS=2 python3 -m pytest -q -n 6 -p no:cacheprovider -W ignore \
-        tests/test_cuda.py tests/test_cli.py tests/test_int8.py tests/test_reliability.py \
-        tests/test_train.py tests/test_search.py >"$OUT/cuda_tests.log" 2>&1
+        tests/test_cuda.py tests/test_cli.py tests/test_int8.py >"$OUT/cuda_tests.log" 2>&1
       tail -n 15 "$OUT/cuda_tests.log"
       ;;
     *) echo "unknown stage $stage"; exit 2 ;;

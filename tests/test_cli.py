@@ -202,7 +202,7 @@ def test_train_translate_eval_end_to_end(tmp_path: Path, corpus, run_cli, arch, 
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
     r = run_cli(
         "translate", "-m", str(model), "-i", str(corpus["dev_src"]), "-o", str(out3),
-        "--precision", "bf16",
+        "--precision", "bf16", "--device", "cpu",
     )  # fmt: skip
     assert r.code == 0, r.stderr
     assert len(out3.read_text().splitlines()) == 20

@@ -70,7 +70,7 @@ def test_int8_from_the_cli_and_the_config(models, run_cli, tmp_path: Path, monke
     assert r.code == 2 and "--precision 'int4': expected fp32, bf16, fp16 or int8" in r.stderr
     # A CPU without VNNI gets the hardware note, as bf16 without its instructions does.
     monkeypatch.setattr("attnmt.device.cpu_matmul_hardware", lambda precision: precision == "fp32")
-    r = run_cli("translate", "-m", str(model), "-i", str(src), "--precision", "int8")
+    r = run_cli(*args, "--precision", "int8")
     assert r.code == 0 and "no int8 matmul instructions (AVX512-VNNI or AVX-VNNI)" in r.stderr
 
 

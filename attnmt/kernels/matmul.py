@@ -93,13 +93,15 @@ def active() -> str:
 
 def use_onednn(x: torch.Tensor, work: int) -> bool:
     """Whether a product of `work` multiply-adds (M * K * N) on operand x goes to oneDNN."""
+    # The backend's context variable is read last: torch.compile cannot trace its read (a
+    # graph break per matmul), and on a GPU the device answers first.
     return (
-        _active.get() == "onednn"
-        and work >= ONEDNN_MIN_WORK
+        not torch.compiler.is_compiling()
         and x.device.type == "cpu"
         and x.dtype == torch.float32
         and not torch.is_autocast_enabled("cpu")
-        and not torch.compiler.is_compiling()
+        and work >= ONEDNN_MIN_WORK
+        and _active.get() == "onednn"
     )
 
 
