@@ -212,7 +212,10 @@ def test_train_translate_eval_end_to_end(tmp_path: Path, corpus, run_cli, arch, 
 
     with monkeypatch.context() as m:
         m.setattr(attnmt.device, "cpu_matmul_hardware", lambda precision: precision == "fp32")
-        r = run_cli("translate", "-m", str(model), "--precision", "fp16", stdin=b"w1 w2\n")
+        r = run_cli(
+            "translate", "-m", str(model), "--precision", "fp16", "--device", "cpu",
+            stdin=b"w1 w2\n",
+        )  # fmt: skip
     assert r.code == 0 and r.stdout.count("\n") == 1, r.stderr
     assert "note: this CPU has no fp16 matmul instructions (AMX-FP16)" in r.stderr
     assert_user_error(
