@@ -277,10 +277,10 @@ class Batch:
         """Real (non-pad) source tokens, EOS included."""
         return int((~self.src_pad_mask).sum())
 
-    def to(self, device: torch.device) -> Batch:
+    def to(self, device: torch.device | str) -> Batch:
         """The batch on `device`; to a GPU from pinned memory, so the copies run beside the
         host's work instead of before it."""
-        pinned = device.type == "cuda" and not self.src.is_cuda
+        pinned = torch.device(device).type == "cuda" and not self.src.is_cuda
 
         def move(t: torch.Tensor) -> torch.Tensor:
             return (t.pin_memory() if pinned else t).to(device, non_blocking=True)
