@@ -28,6 +28,7 @@ CPU_MATMUL_INSTRUCTIONS = {
 }  # fmt: skip
 # oneDNN kernels kept for low-precision and oneDNN fp32 CPU matmuls (limit_onednn_kernel_cache).
 ONEDNN_CACHE_CAPACITY = 64
+ONEDNN_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
 
 def choices(values: tuple[str, ...]) -> str:
@@ -79,14 +80,17 @@ def missing_hardware(device: torch.device, precision: str) -> str | None:
 
 
 def limit_onednn_kernel_cache(device: torch.device, precision: str, backend: str) -> None:
-    """Cap oneDNN's cache of compiled kernels (default 1,024, one per shape) where oneDNN will
-    run the matmuls (CPU, 16-bit or the onednn backend): batches come in hundreds of shapes,
-    and the full cache took a bf16 training run from 1.7 to 5.6 GiB while a small one ran as
-    fast. oneDNN reads the cap from the environment once, before it first runs, and has no
-    other way in (torch exports no setter), hence the one environment write of the library.
-    A user's own setting wins."""
+    """Cap the two caches of compiled oneDNN kernels where oneDNN will run the matmuls (CPU,
+    16-bit or the onednn backend): oneDNN's own (ONEDNN_PRIMITIVE_CACHE_CAPACITY) and the one
+    torch's ideep layer keeps in front of it (LRU_CACHE_CAPACITY), 1,024 entries each by
+    default, one per shape. Batches come in hundreds of shapes: with the defaults a bf16 T run
+    held 3.0 GB after 250 steps and grew to 4.3 GB in 30 minutes; with both at 64 it peaked
+    at 1.6 GB after 250 steps, as fast (docs/benchmarks.md). Both are read from the
+    environment once, before the first kernel, and torch exports no setter, hence the
+    environment writes of the library. A user's own settings win."""
     if device.type == "cpu" and (precision != "fp32" or backend == "onednn"):
-        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
+        for name in ONEDNN_CACHE_VARIABLES:
+            os.environ.setdefault(name, str(ONEDNN_CACHE_CAPACITY))
 
 
 def memory_bytes(device: torch.device) -> int:

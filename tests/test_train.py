@@ -17,7 +17,12 @@ import torch
 import attnmt.train as train_mod
 from attnmt.checkpoint import latest_checkpoint, load_model_dir, load_train_state
 from attnmt.config import from_dict
-from attnmt.device import ONEDNN_CACHE_CAPACITY, cpu_matmul_hardware, resolve_precision
+from attnmt.device import (
+    ONEDNN_CACHE_CAPACITY,
+    ONEDNN_CACHE_VARIABLES,
+    cpu_matmul_hardware,
+    resolve_precision,
+)
 from attnmt.errors import CheckpointError, ConfigError, TrainingError
 from attnmt.evaluate import translate_lines
 from attnmt.search import Beam, SearchOptions
@@ -280,11 +285,13 @@ def test_kill_9_never_breaks_the_model_directory(tmp_path: Path, corpus):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_trains(tmp_path: Path, corpus, monkeypatch, precision):
-    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    for name in ONEDNN_CACHE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
     raw = config(corpus, max_steps=6, eval_every=6, precision=precision)
     summary = train(from_dict(raw), tmp_path / "m", quiet=True)
-    # oneDNN's kernel cache is bounded for low-precision CPU runs.
-    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_CACHE_CAPACITY)
+    # oneDNN's kernel caches (its own and ideep's) are bounded for low-precision CPU runs.
+    for name in ONEDNN_CACHE_VARIABLES:
+        assert os.environ[name] == str(ONEDNN_CACHE_CAPACITY)
     assert summary["steps"] == 6
     _, _, model = load_model_dir(tmp_path / "m")
     assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in model.parameters())
@@ -333,10 +340,11 @@ def test_cpu_matmul_hardware_answers_from_the_cpu_probes(monkeypatch):
 
 
 def test_users_onednn_cache_setting_wins(tmp_path: Path, corpus, monkeypatch):
-    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "7")
+    for name in ONEDNN_CACHE_VARIABLES:
+        monkeypatch.setenv(name, "7")
     raw = config(corpus, max_steps=1, eval_every=1, precision="bf16")
     train(from_dict(raw), tmp_path / "m", quiet=True)
-    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "7"
+    assert all(os.environ[name] == "7" for name in ONEDNN_CACHE_VARIABLES)
 
 
 def test_compiled_step_matches_eager(tmp_path: Path, corpus):
