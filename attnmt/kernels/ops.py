@@ -355,13 +355,14 @@ def linear_cross_entropy(
     """Summed label-smoothed cross-entropy of F.linear(hidden, weight) against target.
 
     Same value and gradients as F.cross_entropy(F.linear(hidden, weight), target,
-    ignore_index=..., label_smoothing=..., reduction="sum"), without building the logits of
-    positions whose target is ignore_index, and on CPU without ever holding all logits.
+    ignore_index=..., label_smoothing=..., reduction="sum"). On CPU without building the
+    logits of positions whose target is ignore_index, nor ever holding all logits; elsewhere
+    (a GPU, torch.compile) the plain functions, which the host need not wait for.
 
     Args:
         hidden: (..., d); weight: (V, d); target: (...) class ids.
     Returns:
-        (summed loss, number of positions that count).
+        (summed loss, number of positions that count), 0-dim tensors.
     """
     d = hidden.size(-1)
     keep = target.reshape(-1) != ignore_index  # (N,)
