@@ -84,8 +84,8 @@ def limit_onednn_kernel_cache(device: torch.device, precision: str, backend: str
     16-bit or the onednn backend): oneDNN's own (ONEDNN_PRIMITIVE_CACHE_CAPACITY) and the one
     torch's ideep layer keeps in front of it (LRU_CACHE_CAPACITY), 1,024 entries each by
     default, one per shape. Batches come in hundreds of shapes: with the defaults a bf16 T run
-    held 3.0 GB after 250 steps and grew to 4.3 GB in 30 minutes; with both at 64 it peaked
-    at 1.6 GB after 250 steps, as fast (docs/benchmarks.md). Both are read from the
+    held 3.0 GB after 250 steps and grew to 4.3 GB in 30 minutes; with both at 64, 1.6 GB and
+    2.0 GB, as fast (docs/benchmarks.md). Both are read from the
     environment once, before the first kernel, and torch exports no setter, hence the
     environment writes of the library. A user's own settings win."""
     if device.type == "cpu" and (precision != "fp32" or backend == "onednn"):
