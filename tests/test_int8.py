@@ -11,7 +11,7 @@ from torch import nn
 
 from attnmt import Translator
 from attnmt.config import from_dict
-from attnmt.kernels.int8 import MIN_OUT_FEATURES, Int8GRU, Int8Linear
+from attnmt.kernels.int8 import MIN_OUT_FEATURES, Int8GRU, Int8Linear, int8_hardware
 from attnmt.train import train
 
 from conftest import make_pairs, tiny_config
@@ -21,13 +21,14 @@ LINES = make_pairs(40, 21)[0]
 
 @pytest.fixture(scope="module")
 def models(trained, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Both architectures, trained long enough (60 steps) to say different things per line."""
+    """Both architectures, trained long enough (500 steps) to say different things per line and
+    to be decisive: at 60 steps near-ties flipped up to 22 % of lines on some CPUs."""
     _, corpus = trained
     out = {}
     for arch in ("transformer", "rnn"):
         raw = tiny_config(corpus, arch)
         raw["model"].update(emb_size=32, hidden_size=32, ff_size=64)
-        raw["train"].update(max_steps=60, eval_every=60, lr=0.01, warmup_steps=5)
+        raw["train"].update(max_steps=500, eval_every=500, lr=0.01, warmup_steps=5)
         out[arch] = tmp_path_factory.mktemp(arch) / "m"
         train(from_dict(raw), out[arch], quiet=True)
     return out
@@ -52,7 +53,9 @@ def test_int8_swaps_the_matmuls_and_mostly_agrees_with_fp32(models, arch):
         if beam == 1:  # (beam search's short outputs are alike on so small a model)
             assert len(set(want)) > 5, "the model should not say the same thing to every line"
         same = sum(a == b for a, b in zip(want, got, strict=True)) / len(LINES)
-        assert same >= 0.9, f"beam {beam}: {same:.0%} of lines equal to fp32"
+        # Without VNNI the inputs are quantized to 7 bits (kernels/int8.py): less exact.
+        least = 0.9 if int8_hardware() else 0.8
+        assert same >= least, f"beam {beam}: {same:.0%} of lines equal to fp32"
     found = int8.hypotheses(LINES[:8], beam=3, n_best=3)
     assert all(len(h) == 3 and all(math.isfinite(x.score) for x in h) for h in found)
 
