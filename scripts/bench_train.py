@@ -96,7 +96,9 @@ GPU_PEAK_TFLOPS = {
 }
 
 
-def transformer_flops(model: dict[str, Any], vocab: int, src_tokens: float, tgt_tokens: float):
+def transformer_flops(
+    model: dict[str, Any], vocab: int, src_tokens: float, tgt_tokens: float
+) -> float:
     """Training FLOPs of a Transformer's matmuls for the given real tokens (module docstring)."""
     d, ff, n_enc, n_dec = (
         model["hidden_size"],
@@ -193,7 +195,7 @@ def train_config(args: argparse.Namespace, name: str, work: Path) -> dict[str, A
     return cfg
 
 
-def run_child(args: argparse.Namespace, work: Path) -> tuple[list[dict], Any]:
+def run_child(args: argparse.Namespace, work: Path) -> tuple[list[dict[str, Any]], Any]:
     """`attnmt train` on work/config.yaml in a child process: its events and resource usage."""
     cmd = [sys.executable, "-m", "attnmt", "train", "--config", str(work / "config.yaml")]
     if args.procs > 1:
@@ -231,7 +233,15 @@ def bench_train(args: argparse.Namespace) -> None:
         )
 
 
-def row(args, name, cfg, events, usage, precision, peak_by_source) -> dict[str, Any]:
+def row(
+    args: argparse.Namespace,
+    name: str,
+    cfg: dict[str, Any],
+    events: list[dict[str, Any]],
+    usage: Any,
+    precision: str,
+    peak_by_source: dict[str, float],
+) -> dict[str, Any]:
     """One config's JSON row from its run's events (module docstring)."""
     model_event = next(e for e in events if e["event"] == "model")
     data_event = next(e for e in events if e["event"] == "data")
