@@ -38,7 +38,7 @@ def beam_or_greedy(beam: int, **kwargs) -> Beam | Greedy:
 
 @pytest.fixture(scope="module", params=["transformer", "rnn"])
 def trained(request, tmp_path_factory):
-    """A tiny model trained for 60 steps on the toy corpus: it has learned to stop."""
+    """A tiny model trained for 300 steps on the toy corpus: it has learned to stop."""
     d = tmp_path_factory.mktemp(request.param)
     files = {}
     for split, n, seed in (("train", 300, 1), ("dev", 20, 2)):
@@ -47,7 +47,7 @@ def trained(request, tmp_path_factory):
         files[f"{split}_tgt"] = write_lines(d / f"{split}.tgt", tgt)
     raw = tiny_config(files, request.param)
     raw["model"].update(hidden_size=32, emb_size=32, ff_size=64)
-    raw["train"].update(max_steps=60, eval_every=60, lr=0.01, warmup_steps=10)
+    raw["train"].update(max_steps=300, eval_every=300, lr=0.01, warmup_steps=10)
     train(from_dict(raw), d / "m", quiet=True)
     _, tok, model = load_model_dir(d / "m")
     src, _ = make_pairs(12, 9)
