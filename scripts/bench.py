@@ -53,6 +53,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_data import TATOEBA
 from bench_train import add_train_args, bench_train
 
 from attnmt.checkpoint import load_model_dir
@@ -180,7 +181,7 @@ def main() -> int:
     g.add_argument("--pairs", type=int, default=1_000_000, help="synthetic training pairs")
     g.add_argument("--steps", type=int, default=20, help="training steps")
     g.add_argument(
-        "--tatoeba", type=Path, default=Path("../shared/data/tatoeba/fra-eng.tsv.gz"),
+        "--tatoeba", type=Path, default=TATOEBA,
         help="English<TAB>French pairs to build the corpus from",
     )  # fmt: skip
     g.add_argument("--work", type=Path, default=Path("runs/bench-data"), help="where to build")

@@ -25,6 +25,9 @@ from pathlib import Path
 
 import yaml
 
+# Tatoeba's English<TAB>French pairs beside the checkout, where the synthetic corpora come from.
+TATOEBA = Path("../shared/data/tatoeba/fra-eng.tsv.gz")
+
 
 def make_corpus(tsv: Path, pairs: int, out: Path, seed: int = 0) -> dict[str, Path]:
     """train.{en,fr} of `pairs` synthetic pairs and dev.{en,fr} of 500, from Tatoeba."""

@@ -45,7 +45,9 @@ from typing import Any
 
 import torch
 import yaml
+from bench_data import TATOEBA, make_corpus
 
+from attnmt.config import apply_override
 from attnmt.data import read_lines
 from attnmt.device import PRECISION_DTYPES, resolve_device, resolve_precision
 from attnmt.kernels import matmul
@@ -153,8 +155,6 @@ def data_section(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Multi30k de-en (--data), or --synthetic pairs from Tatoeba en-fr; dev cut to
     --dev-sentences pairs."""
     if args.synthetic:
-        from bench_data import make_corpus
-
         files = make_corpus(args.tatoeba, args.synthetic, work / "corpus")
         train = {"src": str(files["train_en"]), "tgt": str(files["train_fr"])}
         dev_src, dev_tgt = files["dev_en"], files["dev_fr"]
@@ -192,6 +192,8 @@ def train_config(args: argparse.Namespace, name: str, work: Path) -> dict[str, A
     # R's batches are counted in sentences (its token limit is only a cap), T's in tokens.
     per_rank = "batch_sentences" if "batch_sentences" in cfg["train"] else "batch_tokens"
     cfg["train"][per_rank] //= args.procs
+    for assignment in args.set:
+        apply_override(cfg, assignment)
     return cfg
 
 
@@ -203,9 +205,7 @@ def run_child(args: argparse.Namespace, work: Path) -> tuple[list[dict[str, Any]
         # threads, so an optimizer step sees the same tokens.
         run = ["-m", "torch.distributed.run", "--standalone"]
         cmd[1:1] = [*run, "--nproc_per_node", str(args.procs)]
-    cmd += ["--out", str(work / "model"), "--quiet"]
-    for assignment in args.set:
-        cmd += ["--set", assignment]
+    cmd += ["--out", str(work / "model"), "--quiet"]  # --set is in the config already
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads // args.procs)}
     child = subprocess.Popen(cmd, env=env)
     _, status, usage = os.wait4(child.pid, 0)
@@ -222,10 +222,7 @@ def bench_train(args: argparse.Namespace) -> None:
             work = Path(tmp)
             cfg = train_config(args, name, work)
             (work / "config.yaml").write_text(yaml.safe_dump(cfg))
-            precision = next(
-                (a.split("=", 1)[1] for a in args.set if a.startswith("train.precision=")), "fp32"
-            )
-            precision = resolve_precision(precision, device)
+            precision = resolve_precision(cfg["train"].get("precision", "fp32"), device)
             peak_by_source = peaks(device, precision, args.threads)
             events, usage = run_child(args, work)
         print(
@@ -302,7 +299,7 @@ def add_train_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--dev-sentences", type=int, default=500, help="dev pairs for the dev loss")
     t.add_argument("--synthetic", type=int, default=0, help="N synthetic Tatoeba pairs instead")
     t.add_argument(
-        "--tatoeba", type=Path, default=Path("../shared/data/tatoeba/fra-eng.tsv.gz"),
+        "--tatoeba", type=Path, default=TATOEBA,
         help="English<TAB>French pairs for --synthetic",
     )  # fmt: skip
     t.add_argument("--vocab", type=int, default=8000, help="joint SentencePiece vocabulary")

@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 from bench_train import add_train_args, train_config
 from torch.profiler import ProfilerActivity, profile
 
@@ -38,12 +37,7 @@ def main() -> int:
     device = resolve_device(args.device)
     with tempfile.TemporaryDirectory(prefix="attnmt-profile-") as tmp:
         work = Path(tmp)
-        raw = train_config(args, name, work)
-        for assignment in args.set:
-            key, value = assignment.split("=", 1)
-            section, field = key.split(".", 1)
-            raw[section][field] = yaml.safe_load(value)
-        cfg = from_dict(raw)
+        cfg = from_dict(train_config(args, name, work))  # --set applied there
         out = work / "model"
         train_mod.prepare_output_dir(out, overwrite=False, resume=False)
         log = train_mod.RunLog(out, quiet=True)
