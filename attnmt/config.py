@@ -253,6 +253,12 @@ class TrainConfig(_Section):
     precision: TrainPrecision = "fp32"  # auto: bf16 where native
     matmul: MatmulChoice = "auto"
     compile: bool = False
+    # CUDA graphs over the compiled step (torch.compile's reduce-overhead mode; implies
+    # compile), each batch padded up to one of a few shapes so that the graphs are reused.
+    cuda_graphs: bool = False
+    # The next step's batches collated (and pinned) on the host while the device computes this
+    # step's; None: on a GPU, where the host would otherwise leave it idle meanwhile.
+    prefetch: bool | None = None
     threads: int = Field(0, ge=0, le=1024)
     eval_every: int = Field(1000, ge=1)
     eval_batch_tokens: int = Field(8000, ge=1)

@@ -14,7 +14,8 @@ import os
 import select
 import stat
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -277,13 +278,21 @@ class Batch:
         """Real (non-pad) source tokens, EOS included."""
         return int((~self.src_pad_mask).sum())
 
+    def pinned(self) -> Batch:
+        """The batch in page-locked memory, which the GPU copies from while the host works."""
+        return Batch(
+            self.src.pin_memory(), self.src_pad_mask.pin_memory(), self.tgt_in.pin_memory(),
+            self.tgt_out.pin_memory(), self.index, self.pad_id,
+        )  # fmt: skip
+
     def to(self, device: torch.device | str) -> Batch:
         """The batch on `device`; to a GPU from pinned memory, so the copies run beside the
         host's work instead of before it."""
-        pinned = torch.device(device).type == "cuda" and not self.src.is_cuda
+        on_host = self.src.device.type == "cpu" and not self.src.is_pinned()
+        pin = torch.device(device).type == "cuda" and on_host
 
         def move(t: torch.Tensor) -> torch.Tensor:
-            return (t.pin_memory() if pinned else t).to(device, non_blocking=True)
+            return (t.pin_memory() if pin else t).to(device, non_blocking=True)
 
         return Batch(
             move(self.src), move(self.src_pad_mask), move(self.tgt_in), move(self.tgt_out),
@@ -314,6 +323,62 @@ def collate(
     tgt_in = pad_sequences([[bos_id, *list(t)] for t in tgt], pad_id)  # (B, T)
     tgt_out = pad_sequences([[*list(t), eos_id] for t in tgt], pad_id)  # (B, T)
     return Batch(src_ids, src_ids == pad_id, tgt_in, tgt_out, index, pad_id)
+
+
+def shape_bucket(n: int) -> int:
+    """The smallest of 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ... (four sizes an octave, each at
+    most 25 % above the one before) that is at least n."""
+    if n <= 8:
+        return 8
+    step = 1 << (n.bit_length() - 3)  # n in [4 * step, 8 * step): sizes step apart
+    return -(-n // step) * step
+
+
+def pad_to_bucket(batch: Batch, bos_id: int, eos_id: int) -> Batch:
+    """The batch grown to shape_bucket of its rows and lengths, so that a run sees a few
+    shapes (CUDA graphs are recorded per shape). Added rows are a source of EOS alone and a
+    target of padding alone: the loss ignores them, and no row attends to them."""
+    (B, S), T = batch.src.shape, batch.tgt_in.size(1)
+    rows, S2, T2 = shape_bucket(B), shape_bucket(S), shape_bucket(T)
+
+    def grow(x: torch.Tensor, length: int, first: int | None) -> torch.Tensor:
+        out = x.new_full((rows, length), batch.pad_id)  # (rows, length)
+        out[:B, : x.size(1)] = x
+        if first is not None:
+            out[B:, 0] = first  # the added rows: one real token, so attention has a key
+        return out
+
+    src = grow(batch.src, S2, eos_id)
+    return Batch(
+        src, src == batch.pad_id, grow(batch.tgt_in, T2, bos_id), grow(batch.tgt_out, T2, None),
+        batch.index, batch.pad_id,
+    )  # fmt: skip
+
+
+class Prefetcher:
+    """Makes a step's batches on the host (`make`: collate, pad, pin) in a background thread
+    while the device computes the step before: `ahead(idxs)` starts them, `get(idxs)` returns
+    them (made now when they were not asked for ahead). The main thread waits for the device
+    at each step's end, and the thread works meanwhile; the batches are the same either way."""
+
+    def __init__(self, make: Callable[[list[list[int]]], list[Batch]], enabled: bool) -> None:
+        self.make = make
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="attnmt-prefetch") if enabled else None
+        self.pending: tuple[list[list[int]], Future[list[Batch]]] | None = None
+
+    def ahead(self, idxs: list[list[int]] | None) -> None:
+        if self.pool is not None and idxs is not None:
+            self.pending = (idxs, self.pool.submit(self.make, idxs))
+
+    def get(self, idxs: list[list[int]]) -> list[Batch]:
+        pending, self.pending = self.pending, None
+        if pending is not None and pending[0] == idxs:
+            return pending[1].result()
+        return self.make(idxs)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def token_batches(

@@ -26,6 +26,7 @@ RESUMABLE_KEYS = (
     "train.threads",
     "train.matmul",
     "train.compile",
+    "train.prefetch",
     "train.log_every",
     "train.keep_best",
     "train.keep_last",

@@ -45,7 +45,7 @@ from attnmt.checkpoint import (
     tokenizer_shas,
 )
 from attnmt.config import Config
-from attnmt.data import BucketSampler, collate
+from attnmt.data import Batch, BucketSampler, Prefetcher, collate, pad_to_bucket
 from attnmt.device import (
     PRECISION_DTYPES,
     limit_onednn_kernel_cache,
@@ -104,6 +104,7 @@ class Run:
     progress: Progress
     start_time: float = field(default_factory=time.time)
     tokenizer_digest: str | None = None  # what weights files record (checkpoint.tokenizer_digest)
+    prefetch: Prefetcher | None = None  # makes each step's batches on the host (setup sets it)
 
     def elapsed(self) -> float:
         """Training seconds, over every resumption of the run."""
@@ -143,7 +144,12 @@ def train(
         backend = cfg.train.matmul if device.type == "cpu" else "blas"
         try:
             with matmul_backend(backend):
-                return train_loop(setup(cfg, out, resume, ranks, device, log))
+                run = setup(cfg, out, resume, ranks, device, log)
+                try:
+                    return train_loop(run)
+                finally:
+                    if run.prefetch:
+                        run.prefetch.close()
         finally:
             log.close()  # also when training fails: no log file is left open
             ranks.shutdown()
@@ -162,10 +168,10 @@ def train_loop(run: Run) -> dict[str, Any]:
             # whole step is left.
             per_step = ranks.world * t.accumulate
             while stop_reason is None and p.batch_in_epoch + per_step <= len(batches):
-                start = p.batch_in_epoch + ranks.rank
-                idxs = [batches[start + k * ranks.world] for k in range(t.accumulate)]
+                idxs = step_idxs(batches, p.batch_in_epoch, ranks, t.accumulate)
                 p.batch_in_epoch += per_step
-                result = train_step(run, idxs, signals.signum is not None)
+                following = step_idxs(batches, p.batch_in_epoch, ranks, t.accumulate)
+                result = train_step(run, idxs, signals.signum is not None, following)
                 if not result.updated:
                     skip_step(run, result)
                 else:
@@ -259,8 +265,16 @@ def setup(
     if ranks.world > 1:
         ids = [device.index] if device.type == "cuda" else None
         run.step_model = DistributedDataParallel(model, device_ids=ids)
-    if t.compile:
-        run.step_model = cast(nn.Module, torch.compile(run.step_model))
+    if t.cuda_graphs and (device.type != "cuda" or cfg.model.arch != "transformer"):
+        raise ConfigError(
+            f"train.cuda_graphs: CUDA graphs need a CUDA device and model.arch transformer"
+            f" (this run: {device.type}, {cfg.model.arch})"
+        )
+    if t.compile or t.cuda_graphs:
+        mode = "reduce-overhead" if t.cuda_graphs else None  # reduce-overhead: CUDA graphs
+        run.step_model = cast(nn.Module, torch.compile(run.step_model, mode=mode))
+    prefetch = t.prefetch if t.prefetch is not None else device.type == "cuda"
+    run.prefetch = Prefetcher(lambda idxs: host_batches(run, idxs), enabled=prefetch)
     log_model(run, resumed=checkpoint is not None)
     if resume and checkpoint is None:
         log.event("resume", "--resume: no checkpoint in this directory yet; starting at step 0")
@@ -338,14 +352,36 @@ def log_model(run: Run, resumed: bool) -> None:
 # --- one step ---
 
 
-def train_step(run: Run, idxs: list[list[int]], signalled: bool) -> StepResult:
+def step_idxs(
+    batches: list[list[int]], consumed: int, ranks: distributed.Ranks, accumulate: int
+) -> list[list[int]] | None:
+    """This rank's train.accumulate batches of the step after `consumed` batches of the
+    epoch; None when too few are left for a whole step (the remainder is left)."""
+    if consumed + ranks.world * accumulate > len(batches):
+        return None
+    start = consumed + ranks.rank
+    return [batches[start + k * ranks.world] for k in range(accumulate)]
+
+
+def host_batches(run: Run, idxs: list[list[int]]) -> list[Batch]:
+    """The step's batches on the host, ready to copy: collated, grown to a bucketed shape
+    under CUDA graphs (which are recorded per shape), pinned for a GPU."""
+    made = [collate(*run.train_data.pairs(idx), idx, PAD_ID, BOS_ID, EOS_ID) for idx in idxs]
+    if run.cfg.train.cuda_graphs:
+        made = [pad_to_bucket(b, BOS_ID, EOS_ID) for b in made]
+    return [b.pinned() for b in made] if run.device.type == "cuda" else made
+
+
+def train_step(
+    run: Run, idxs: list[list[int]], signalled: bool, following: list[list[int]] | None = None
+) -> StepResult:
     """Train on the batches of pairs `idxs` (train.accumulate of them): forward and backward
     each, their gradients summed, then clip and (if every loss and gradient is finite) one
     optimizer update. The loss is normalised by the target tokens of all batches (of all
     ranks), so one update over N batches is one over their union. `signalled`: this rank
-    received a stop signal."""
+    received a stop signal; `following`: the next step's batches, made while this one runs."""
     t, p, ranks = run.cfg.train, run.progress, run.ranks
-    on_host = [collate(*run.train_data.pairs(idx), idx, PAD_ID, BOS_ID, EOS_ID) for idx in idxs]
+    on_host = run.prefetch.get(idxs) if run.prefetch else host_batches(run, idxs)
     # Counted on the host: read from the device, each count would wait for the GPU.
     n_tokens = sum(b.n_tokens for b in on_host)
     positions = sum(b.src.numel() + b.tgt_out.numel() for b in on_host)
@@ -375,6 +411,8 @@ def train_step(run: Run, idxs: list[list[int]], signalled: bool) -> StepResult:
     run.optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=run.device)
     for k, batch in enumerate(batches):
+        if t.cuda_graphs:  # each forward starts a new replay of the recorded graphs
+            torch.compiler.cudagraph_mark_step_begin()
         # Under DDP only the last batch's backward all-reduces the summed gradients.
         with no_sync(run, last=k == len(batches) - 1):
             with run.autocast():
@@ -387,6 +425,8 @@ def train_step(run: Run, idxs: list[list[int]], signalled: bool) -> StepResult:
     grad_norm = torch.nn.utils.clip_grad_norm_(
         run.model.parameters(), t.clip_grad_norm if t.clip_grad_norm > 0 else math.inf
     )
+    if run.prefetch:  # the host makes the next batches while it waits for the device below
+        run.prefetch.ahead(following)
     # The time budget's share spent after the step is rank 0's (every rank stops together).
     step_loss, signals, used = ranks.sum(
         [float(total), float(signalled), run.budget_used() * ranks.is_main]

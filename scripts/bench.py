@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import resource
 import statistics
@@ -64,6 +65,18 @@ from attnmt.kernels import matmul
 from attnmt.search import Beam, Greedy, SearchOptions
 
 
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def precisions(text: str) -> list[str]:
+    names = text.split(",")
+    for name in names:
+        if name not in DECODE_PRECISIONS:
+            raise argparse.ArgumentTypeError(f"{name}: one of {', '.join(DECODE_PRECISIONS)}")
+    return names
+
+
 def bench_decode(args: argparse.Namespace) -> None:
     with matmul.matmul_backend(args.matmul) as backend:
         decode_models(args, backend)
@@ -71,68 +84,71 @@ def bench_decode(args: argparse.Namespace) -> None:
 
 def decode_models(args: argparse.Namespace, backend: str) -> None:
     torch.set_num_threads(args.threads)
-    src = read_lines(args.data / "test_2016_flickr.de.gz")
-    ref = read_lines(args.data / "test_2016_flickr.en.gz")
+    src = read_lines(args.data / "test_2016_flickr.de.gz")[: args.sentences]
+    ref = read_lines(args.data / "test_2016_flickr.en.gz")[: args.sentences]
     for model_dir in args.model:
-        cfg, tokenizer, model = load_model_dir(model_dir)
-        plain = copy.deepcopy(model) if args.precision != "fp32" else None
-        model = for_decoding(model, args.precision)
-        for beam, workers in ((b, w) for b in args.beams for w in args.workers):
-            # As `attnmt translate` does: no scores unless it writes n-best lists.
-            method = Greedy() if beam == 1 else Beam(beam, length_penalty=1.0)
-            options = SearchOptions(method, max_len_a=0.0, max_len_b=args.max_len, scores=False)
-            batches = {"batch_tokens": 1 << 30, "batch_sentences": args.batch_sentences}
-            fp32 = None if plain is None else translate(plain, tokenizer, src, options, **batches)
-            times, result = [], None
-            for _ in range(args.runs):
-                start = time.perf_counter()
-                result = translate(model, tokenizer, src, options, workers=workers, **batches)
-                times.append(time.perf_counter() - start)
-            assert result is not None
-            hyps = [r[0].text for r in result]
-            pieces = sum(
-                len(r[0].tgt_pieces) - int(r[0].tgt_pieces[-1:] == ["</s>"]) for r in result
-            )
-            seconds = statistics.median(times)
-            s = score(hyps, ref)
-            print(
-                json.dumps(
-                    {
-                        "bench": "decode",
-                        "model": str(model_dir),
-                        "arch": cfg.model.arch,
-                        "beam": beam,
-                        "sentences": len(src),
-                        "runs": args.runs,
-                        "seconds_median": round(seconds, 3),
-                        "seconds_all": [round(x, 3) for x in times],
-                        "sentences_per_s": round(len(src) / seconds, 1),
-                        "pieces_per_s": round(pieces / seconds, 1),
-                        "mean_output_pieces": round(pieces / len(src), 2),
-                        "bleu": round(s.bleu, 2),
-                        "chrf": round(s.chrf, 2),
-                        "bleu_signature": s.bleu_signature,
-                        "threads": args.threads,
-                        "workers": workers,
-                        "precision": args.precision,
-                        "matmul": backend,
-                        "batch_sentences": args.batch_sentences,
-                        "max_len": args.max_len,
-                        # Lines whose translation differs from the fp32 model's (same search).
-                        "differs_from_fp32": None
-                        if fp32 is None
-                        else round(
-                            sum(a[0].text != b for a, b in zip(fp32, hyps, strict=True)) / len(src),
-                            4,
-                        ),
-                        "weights_mb": round(_weights_bytes(model_dir) / 2**20, 1),
-                        "max_rss_mb": round(
-                            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1
-                        ),
-                    }
-                ),
-                flush=True,
-            )
+        for precision in args.precision:
+            cfg, tokenizer, model = load_model_dir(model_dir)
+            plain = copy.deepcopy(model).to(args.device) if precision != "fp32" else None
+            model = for_decoding(model, precision).to(args.device)
+            for batch_sentences, beam, workers in itertools.product(
+                args.batch_sentences, args.beams, args.workers
+            ):
+                # As `attnmt translate` does: no scores unless it writes n-best lists.
+                method = Greedy() if beam == 1 else Beam(beam, length_penalty=1.0)
+                options = SearchOptions(method, max_len_a=0.0, max_len_b=args.max_len, scores=False)
+                batches = {"batch_tokens": 1 << 30, "batch_sentences": batch_sentences}
+                batches |= {"device": args.device}
+                fp32 = None
+                if plain is not None:
+                    fp32 = translate(plain, tokenizer, src, options, **batches)
+                else:  # a first pass: CUDA's lazy start-up and kernel choices are not timed
+                    translate(model, tokenizer, src[:batch_sentences], options, **batches)
+                times, result = [], None
+                for _ in range(args.runs):
+                    start = time.perf_counter()
+                    result = translate(model, tokenizer, src, options, workers=workers, **batches)
+                    times.append(time.perf_counter() - start)
+                assert result is not None
+                hyps = [r[0].text for r in result]
+                pieces = sum(
+                    len(r[0].tgt_pieces) - int(r[0].tgt_pieces[-1:] == ["</s>"]) for r in result
+                )
+                seconds = statistics.median(times)
+                s = score(hyps, ref)
+                row = {
+                    "bench": "decode",
+                    "model": str(model_dir),
+                    "arch": cfg.model.arch,
+                    "device": args.device,
+                    "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+                    "beam": beam,
+                    "sentences": len(src),
+                    "runs": args.runs,
+                    "seconds_median": round(seconds, 3),
+                    "seconds_all": [round(x, 3) for x in times],
+                    "sentences_per_s": round(len(src) / seconds, 1),
+                    "pieces_per_s": round(pieces / seconds, 1),
+                    "mean_output_pieces": round(pieces / len(src), 2),
+                    "bleu": round(s.bleu, 2),
+                    "chrf": round(s.chrf, 2),
+                    "bleu_signature": s.bleu_signature,
+                    "threads": args.threads,
+                    "workers": workers,
+                    "precision": precision,
+                    "matmul": backend,
+                    "batch_sentences": batch_sentences,
+                    "max_len": args.max_len,
+                    # Lines whose translation differs from the fp32 model's (same search).
+                    "differs_from_fp32": None if fp32 is None else round(
+                        sum(a[0].text != b for a, b in zip(fp32, hyps, strict=True)) / len(src), 4
+                    ),
+                    "weights_mb": round(_weights_bytes(model_dir) / 2**20, 1),
+                    "max_rss_mb": round(
+                        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1
+                    ),
+                }  # fmt: skip
+                print(json.dumps(row), flush=True)
 
 
 def _weights_bytes(model_dir: Path) -> int:
@@ -149,7 +165,11 @@ def add_decode_args(d: argparse.ArgumentParser) -> None:
     d.add_argument(
         "--beams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 5], help="e.g. 1,5"
     )
-    d.add_argument("--batch-sentences", type=int, default=64)
+    d.add_argument(
+        "--batch-sentences", type=ints, default=[64], help="sentences a batch, e.g. 1,64,1024"
+    )
+    d.add_argument("--sentences", type=int, help="only the first N test sentences")
+    d.add_argument("--device", default="cpu", help="cpu or cuda")
     d.add_argument("--max-len", type=int, default=60, help="output pieces at most")
     d.add_argument("--threads", type=int, default=2, help="threads in all")
     d.add_argument(
@@ -158,7 +178,9 @@ def add_decode_args(d: argparse.ArgumentParser) -> None:
         default=[1],
         help="batches searched at once, sharing the threads; e.g. 1,2 measures both",
     )
-    d.add_argument("--precision", choices=list(DECODE_PRECISIONS), default="fp32")
+    d.add_argument(
+        "--precision", type=precisions, default=["fp32"], help="e.g. fp32,bf16 (each a row)"
+    )
     d.add_argument(
         "--matmul", choices=list(MATMUL_BACKENDS), default="auto", help="CPU fp32 matmul library"
     )
@@ -188,7 +210,6 @@ def main() -> int:
     v = sub.add_parser("serve", help="attnmt serve under concurrent clients")
     v.add_argument("--model", type=Path, required=True, help="model directory")
     v.add_argument("--data", type=Path, default=Path("data/multi30k"), help="Multi30k folder")
-    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     v.add_argument("--clients", type=ints, default=[1, 8, 32], help="e.g. 1,8,32")
     v.add_argument("--sizes", type=ints, default=[1, 16], help="sentences per request")
     v.add_argument("--beam", type=int, default=5)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -225,6 +226,8 @@ def bench_train(args: argparse.Namespace) -> None:
             precision = resolve_precision(cfg["train"].get("precision", "fp32"), device)
             peak_by_source = peaks(device, precision, args.threads)
             events, usage = run_child(args, work)
+            if args.keep:  # the trained model directory, for decoding benchmarks
+                shutil.copytree(work / "model", args.keep / name, dirs_exist_ok=True)
         print(
             json.dumps(row(args, name, cfg, events, usage, precision, peak_by_source)), flush=True
         )
@@ -308,3 +311,4 @@ def add_train_args(t: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--set", action="append", default=[], help="extra config override, e.g. train.compile=true"
     )
+    t.add_argument("--keep", type=Path, help="copy each trained model directory to KEEP/CONFIG")

@@ -11,6 +11,13 @@
 # bench, bench-compiled, bench-small: scripts/bench.py train rows (bf16): the base Transformer
 #           eager, then compiled; T and R.
 # cuda-tests: tests/test_cuda.py and the modules that failed on the GPU machine before.
+# Round 3 (issue 48), each step change a row of its own, the base Transformer compiled, bf16:
+# r3-bench:   the step as before (prefetch off), + prefetch, + CUDA graphs (model kept in
+#             runs/keep/base for decode-base); r3-accumulate: + accumulate 2;
+# r3-small:   T and R (eager, prefetch on); r3-profile: torch.profiler over the compiled step;
+# decode-t, decode-base: scripts/bench.py decode on CUDA, fp32 and bf16, greedy and beam 5,
+#             batches of 1 (first 100 / 50 sentences), 64 and 1,024 sentences;
+# ct2-probe:  whether CTranslate2's CUDA build could load there (it needs cuBLAS 12).
 # Logs go to $OUT (default /tmp/gpu-out).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
@@ -18,6 +25,12 @@ mkdir -p "$OUT"
 TATOEBA=.gpu/tatoeba/fra-eng.tsv.gz
 BASE=(--configs base --device cuda --synthetic 1000000 --tatoeba "$TATOEBA"
       --tokenizer .gpu/joint32k.model --set train.precision=bf16)
+R3=(--configs base --device cuda --synthetic 300000 --tatoeba "$TATOEBA" --steps 100 --warmup 40
+    --dev-sentences 100 --tokenizer .gpu/joint32k.model --set train.precision=bf16
+    --set train.compile=true)
+r3_row() { timeout 200 python3 scripts/bench.py train "${R3[@]}" "$@" | tee -a "$OUT/bench_r3.jsonl"; }
+DECODE=(--device cuda --data data/multi30k --beams 1,5 --precision fp32,bf16)
+decode() { timeout 150 python3 scripts/bench.py decode "${DECODE[@]}" "$@" | tee -a "$OUT/decode.jsonl"; }
 suite_pid=""
 for stage in "$@"; do
   echo "== $stage $(date +%T)"
@@ -27,6 +40,7 @@ for stage in "$@"; do
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
           --target /tmp/site .whl/*.whl || exit 1
       fi
+      export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
       python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
       [ -e data/multi30k ] || { mkdir -p data && ln -s "$PWD/.gpu/multi30k" data/multi30k; }
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -70,10 +84,41 @@ for stage in "$@"; do
       python3 scripts/bench.py train --configs T,R --device cuda --steps 300 --warmup 50 \
         --set train.precision=bf16 | tee -a "$OUT/bench.jsonl"
       ;;
+    r3-bench)
+      r3_row --set train.prefetch=false
+      r3_row
+      r3_row --set train.cuda_graphs=true --keep runs/keep
+      ;;
+    r3-accumulate)
+      r3_row --set train.cuda_graphs=true --set train.accumulate=2
+      ;;
+    r3-small)
+      timeout 120 python3 scripts/bench.py train --configs T,R --device cuda --steps 300 \
+        --warmup 50 --set train.precision=bf16 | tee -a "$OUT/bench_r3.jsonl"
+      ;;
+    r3-profile)
+      timeout 200 python3 scripts/profile_train.py "${R3[@]}" --synthetic 100000 --warmup 15 \
+        --profile-steps 5 >"$OUT/profile_compiled.txt" 2>&1
+      tail -n 2 "$OUT/profile_compiled.txt"
+      ;;
+    decode-t)
+      decode --model .gpu/t_model --batch-sentences 64,1024 --runs 2
+      decode --model .gpu/t_model --batch-sentences 1 --sentences 100 --runs 1
+      ;;
+    decode-base)
+      decode --model runs/keep/base --batch-sentences 64,1024 --runs 1
+      decode --model runs/keep/base --batch-sentences 1 --sentences 50 --runs 1
+      ;;
+    ct2-probe)
+      ls /usr/local/cuda*/lib64/libcublas.so* 2>/dev/null | head -3
+      python3 -c "import ctypes; ctypes.CDLL('libcublas.so.12'); print('cuBLAS 12: found')" \
+        2>&1 | tail -n 1
+      ;;
     cuda-tests)
       lscpu | grep -E "Model name|^CPU\(s\)|Flags" | cut -c1-400
       OMP_NUM_THREADS=2 python3 -m pytest -q -n 6 -p no:cacheprovider -W ignore \
-        tests/test_cuda.py tests/test_cli.py tests/test_int8.py >"$OUT/cuda_tests.log" 2>&1
+        tests/test_cuda.py tests/test_int8.py tests/test_search.py \
+        tests/test_train.py::test_compiled_step_matches_eager >"$OUT/cuda_tests.log" 2>&1
       tail -n 15 "$OUT/cuda_tests.log"
       ;;
     *) echo "unknown stage $stage"; exit 2 ;;

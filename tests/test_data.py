@@ -125,3 +125,58 @@ def test_line_counting(tmp_path: Path):
     ]:
         (tmp_path / "f").write_bytes(data)
         assert read_lines(tmp_path / "f") == lines, data
+
+
+def test_shape_buckets_are_few_and_at_most_a_quarter_larger():
+    from attnmt.data import shape_bucket
+
+    sizes = {shape_bucket(n) for n in range(1, 2049)}
+    assert sorted(sizes)[:10] == [8, 10, 12, 14, 16, 20, 24, 28, 32, 40]
+    assert len(sizes) == 33  # 8..2048: four sizes an octave
+    assert all(n <= shape_bucket(n) <= max(8, 1.25 * n) for n in range(1, 2049))
+
+
+def test_padding_to_a_bucket_changes_no_loss_or_gradient():
+    from attnmt.config import ModelConfig
+    from attnmt.data import pad_to_bucket
+    from attnmt.model import build_model
+
+    torch.manual_seed(0)
+    src = [[5, 6, 7], [8, 9], [5, 5, 5, 6, 7, 8, 9, 10, 11]]
+    tgt = [[12, 13], [14, 15, 16, 17], [12]]
+    batch = collate(src, tgt, [0, 1, 2], pad_id=0, bos_id=1, eos_id=2)
+    grown = pad_to_bucket(batch, bos_id=1, eos_id=2)
+    assert grown.src.shape == (8, 10) and grown.tgt_in.shape == (8, 8)
+    assert grown.n_tokens == batch.n_tokens and grown.src[3:, 0].eq(2).all()
+    cfg = ModelConfig(arch="transformer", hidden_size=16, heads=2, ff_size=32, enc_layers=1,
+                      dec_layers=1, dropout=0.0, attention_dropout=0.0)  # fmt: skip
+    model = build_model(cfg, 20, 20, joint=True)
+    results = []
+    for b in (batch, grown):
+        model.zero_grad()
+        loss, n = model.loss(b, 1.0, 0.1)
+        loss.backward()
+        results.append((loss.detach(), int(n), [p.grad.clone() for p in model.parameters()]))
+    (l1, n1, g1), (l2, n2, g2) = results
+    assert n1 == n2 and l1 == pytest.approx(float(l2), rel=1e-5)
+    for a, b in zip(g1, g2, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_prefetcher_gives_what_make_gives_and_makes_ahead():
+    from attnmt.data import Prefetcher
+
+    made = []
+
+    def make(idxs):
+        made.append(idxs)
+        return [collate([[5] * len(i)], [[6]], i, 0, 1, 2) for i in idxs]
+
+    prefetch = Prefetcher(make, enabled=True)
+    prefetch.ahead([[1, 2]])
+    first = prefetch.get([[1, 2]])  # made ahead: not made again
+    assert made == [[[1, 2]]] and first[0].src.tolist() == [[5, 5, 2]]
+    prefetch.ahead([[3]])
+    assert prefetch.get([[4]])[0].index == [4]  # asked for other batches: made now
+    assert made[-1] == [[4]]
+    prefetch.close()

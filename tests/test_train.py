@@ -367,6 +367,21 @@ def test_compiled_step_matches_eager(tmp_path: Path, corpus, arch, device):
     assert losses[0] == pytest.approx(losses[1], rel=1e-4 if device == "cpu" else 1e-3)
 
 
+def test_prefetched_batches_train_the_same_weights(tmp_path: Path, corpus):
+    # The next step's batches made in a thread while this step runs (on by default on a GPU).
+    raw = config(corpus, max_steps=6, eval_every=6, accumulate=2)
+    for name, prefetch in (("plain", False), ("ahead", True)):
+        raw["train"]["prefetch"] = prefetch
+        train(from_dict(raw), tmp_path / name, quiet=True)
+    weights = [load_model_dir(tmp_path / d, "last.safetensors")[2] for d in ("plain", "ahead")]
+    assert torch.equal(weights_of(weights[0]), weights_of(weights[1]))
+
+
+def test_cuda_graphs_are_refused_off_a_gpu(tmp_path: Path, corpus):
+    with pytest.raises(ConfigError, match=r"train\.cuda_graphs: CUDA graphs need a CUDA device"):
+        train(from_dict(config(corpus, cuda_graphs=True)), tmp_path / "m", quiet=True)
+
+
 # --- the loop's parts, one at a time ---
 
 
