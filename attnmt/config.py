@@ -257,8 +257,8 @@ class TrainConfig(_Section):
     # compile), each batch padded up to one of a few shapes so that the graphs are reused.
     cuda_graphs: bool = False
     # The next step's batches collated (and pinned) on the host while the device computes this
-    # step's; None: on a GPU, where the host would otherwise leave it idle meanwhile.
-    prefetch: bool | None = None
+    # step's; auto: on a GPU, where the host would otherwise wait idle meanwhile.
+    prefetch: bool | Literal["auto"] = "auto"
     threads: int = Field(0, ge=0, le=1024)
     eval_every: int = Field(1000, ge=1)
     eval_batch_tokens: int = Field(8000, ge=1)
@@ -289,6 +289,14 @@ class TrainConfig(_Section):
             raise ValueError(
                 f"train.average_last = {self.average_last} needs train.keep_last >= "
                 f"{self.average_last} (only kept checkpoints can be averaged)"
+            )
+        if self.cuda_graphs and self.accumulate > 1:
+            # Measured on an H100 (docs/gpu.md): the second replay overwrites the memory that
+            # the first batch's gradient still reads from ("accessing tensor output of
+            # CUDAGraphs that has been overwritten by a subsequent run").
+            raise ValueError(
+                f"train.cuda_graphs with train.accumulate = {self.accumulate}: CUDA graphs "
+                "take one batch per step (use a larger train.batch_tokens instead)"
             )
         if self.lr_schedule == "budget" and self.time_budget is None:
             raise ValueError("train.lr_schedule = 'budget' decays to train.time_budget: set it")

@@ -273,7 +273,7 @@ def setup(
     if t.compile or t.cuda_graphs:
         mode = "reduce-overhead" if t.cuda_graphs else None  # reduce-overhead: CUDA graphs
         run.step_model = cast(nn.Module, torch.compile(run.step_model, mode=mode))
-    prefetch = t.prefetch if t.prefetch is not None else device.type == "cuda"
+    prefetch = device.type == "cuda" if t.prefetch == "auto" else t.prefetch
     run.prefetch = Prefetcher(lambda idxs: host_batches(run, idxs), enabled=prefetch)
     log_model(run, resumed=checkpoint is not None)
     if resume and checkpoint is None:

@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -209,7 +210,15 @@ def run_child(args: argparse.Namespace, work: Path) -> tuple[list[dict[str, Any]
     cmd += ["--out", str(work / "model"), "--quiet"]  # --set is in the config already
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads // args.procs)}
     child = subprocess.Popen(cmd, env=env)
-    _, status, usage = os.wait4(child.pid, 0)
+    # A benchmark stopped by `timeout` (SIGTERM) stops its trainer too: on the GPU machine a
+    # trainer left running held the pipe of `| tee` open, so the stage never ended.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        _, status, usage = os.wait4(child.pid, 0)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
     if status != 0:
         raise SystemExit(f"bench train: attnmt train failed ({status})")
     lines = (work / "model" / "train_log.jsonl").read_text().splitlines()

@@ -112,12 +112,11 @@ def test_translation_on_cuda_equals_cpu(tmp_path: Path, corpus, arch):
         assert same >= 0.99 * len(lines), f"beam {beam}: {same} of {len(lines)} lines equal"
 
 
-@pytest.mark.parametrize("accumulate", [1, 2])
-def test_cuda_graphs_train_as_the_compiled_step_does(tmp_path: Path, corpus, accumulate):
+def test_cuda_graphs_train_as_the_compiled_step_does(tmp_path: Path, corpus):
     # No dropout: the padded batches of CUDA graphs draw other masks. The dev loss after the
-    # same steps agrees with the compiled step's; accumulate 2 also checks that the gradient
-    # of the first replay survives the second (both write the graphs' memory).
-    raw = config(corpus, max_steps=6, eval_every=6, accumulate=accumulate, compile=True)
+    # same steps agrees with the compiled step's. (With accumulate 2 the second replay
+    # overwrote the first batch's gradient: the config refuses that.)
+    raw = config(corpus, max_steps=6, eval_every=6, compile=True)
     raw["model"]["dropout"] = 0.0
     raw["train"]["teacher_forcing"] = {"schedule": "constant", "start": 1.0}
     train(from_dict(raw), tmp_path / "compiled", quiet=True)

@@ -377,9 +377,11 @@ def test_prefetched_batches_train_the_same_weights(tmp_path: Path, corpus):
     assert torch.equal(weights_of(weights[0]), weights_of(weights[1]))
 
 
-def test_cuda_graphs_are_refused_off_a_gpu(tmp_path: Path, corpus):
+def test_cuda_graphs_are_refused_off_a_gpu_and_with_accumulation(tmp_path: Path, corpus):
     with pytest.raises(ConfigError, match=r"train\.cuda_graphs: CUDA graphs need a CUDA device"):
         train(from_dict(config(corpus, cuda_graphs=True)), tmp_path / "m", quiet=True)
+    with pytest.raises(ConfigError, match=r"train\.cuda_graphs with train\.accumulate = 2"):
+        from_dict(config(corpus, cuda_graphs=True, accumulate=2))
 
 
 # --- the loop's parts, one at a time ---
