@@ -1,5 +1,5 @@
 """`python -m attnmt` (and `torchrun -m attnmt`) run the CLI."""
 
-from attnmt.main import main
+from attnmt.cli.main import main
 
 main()

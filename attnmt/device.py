@@ -2,7 +2,7 @@
 
 The choices themselves are the config's `Literal`s (attnmt.config); this module turns them into
 devices and dtypes, and owns the one note a user gets when a number format has no hardware
-behind it. Training (attnmt.train) and translation (attnmt.api) both ask here.
+behind it. Training (attnmt.training) and translation (attnmt.decoding.translator) both ask here.
 """
 
 from __future__ import annotations

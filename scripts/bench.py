@@ -57,12 +57,12 @@ import torch
 from bench_data import TATOEBA
 from bench_train import add_train_args, bench_train
 
-from attnmt.checkpoint import load_model_dir
-from attnmt.data import read_lines
+from attnmt.data.text import read_lines
+from attnmt.decoding.search import Beam, Greedy, SearchOptions
+from attnmt.decoding.translate import for_decoding, score, translate
 from attnmt.device import DECODE_PRECISIONS, MATMUL_BACKENDS
-from attnmt.evaluate import for_decoding, score, translate
 from attnmt.kernels import matmul
-from attnmt.search import Beam, Greedy, SearchOptions
+from attnmt.models.directory import load_model_dir
 
 
 def ints(text: str) -> list[int]:

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from attnmt.checkpoint import read_run_files
-from attnmt.data import read_lines
-from attnmt.evaluate import score
-from attnmt.export import export_ctranslate2
-from attnmt.tokenizer import Tokenizer
+from attnmt.apps.export import export_ctranslate2
+from attnmt.data.text import read_lines
+from attnmt.data.tokenizer import Tokenizer
+from attnmt.decoding.translate import score
+from attnmt.models.directory import read_run_files
 
 
 def bench_export(args: argparse.Namespace) -> None:

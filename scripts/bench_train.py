@@ -50,7 +50,7 @@ import yaml
 from bench_data import TATOEBA, make_corpus
 
 from attnmt.config import apply_override
-from attnmt.data import read_lines
+from attnmt.data.text import read_lines
 from attnmt.device import PRECISION_DTYPES, resolve_device, resolve_precision
 from attnmt.kernels import matmul
 

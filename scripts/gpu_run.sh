@@ -3,14 +3,14 @@
 #   bash scripts/gpu_run.sh setup converge suite profile bench
 # setup:    wheels from .whl/ (what that machine lacks) into /tmp/site, attnmt installed with -e,
 #           data/multi30k from .gpu/multi30k when there is none.
-# suite:    the whole test suite (tests/test_cuda.py runs there; other tests on the CPU, or on
+# suite:    the whole test suite (tests/training/test_cuda.py runs there; other tests on the CPU, or on
 #           the GPU where they take device auto), 6 workers, in the background of `converge`.
 # converge: configs/multi30k_de_en_{transformer,rnn}_gpu.yaml trained, then test_2016_flickr
 #           scored with beam 5 (cased, and lowercased -lc), best and averaged weights.
 # profile:  torch.profiler over 10 steps of the base Transformer (bf16, 32k vocabulary).
 # bench, bench-compiled, bench-small: scripts/bench.py train rows (bf16): the base Transformer
 #           eager, then compiled; T and R.
-# cuda-tests: tests/test_cuda.py and the modules that failed on the GPU machine before.
+# cuda-tests: tests/training/test_cuda.py and the modules that failed on the GPU machine before.
 # Round 3 (issue 48), each step change a row of its own, the base Transformer compiled, bf16:
 # r3-bench:   the step as before (prefetch off), + prefetch, + CUDA graphs (model kept in
 #             runs/keep/base for decode-base); r3-accumulate: + accumulate 2;
@@ -117,8 +117,8 @@ for stage in "$@"; do
     cuda-tests)
       lscpu | grep -E "Model name|^CPU\(s\)|Flags" | cut -c1-400
       OMP_NUM_THREADS=2 python3 -m pytest -q -n 6 -p no:cacheprovider -W ignore \
-        tests/test_cuda.py tests/test_int8.py tests/test_search.py \
-        tests/test_train.py::test_compiled_step_matches_eager >"$OUT/cuda_tests.log" 2>&1
+        tests/training/test_cuda.py tests/kernels/test_int8.py tests/decoding/test_search.py \
+        tests/training/test_train.py::test_compiled_step_matches_eager >"$OUT/cuda_tests.log" 2>&1
       tail -n 15 "$OUT/cuda_tests.log"
       ;;
     *) echo "unknown stage $stage"; exit 2 ;;

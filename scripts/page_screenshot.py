@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """The README's screenshot of `attnmt serve`'s page (docs/page.png), made with the browser test's
-own code (tests/test_page.py) against a real model:
+own code (tests/apps/test_page.py) against a real model:
 
     python scripts/page_screenshot.py --model runs/transformer_30m --output docs/page.png
 """
@@ -17,7 +17,7 @@ from test_page import CHROMIUM, DRIVER, png_size, translate_on_the_page
 from test_serve import start_server
 
 from attnmt import Translator
-from attnmt.serve import Limits
+from attnmt.apps.serve import Limits
 
 
 def main() -> int:

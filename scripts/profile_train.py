@@ -22,9 +22,10 @@ import torch
 from bench_train import add_train_args, train_config
 from torch.profiler import ProfilerActivity, profile
 
-from attnmt import train as train_mod
 from attnmt.config import from_dict
 from attnmt.device import resolve_device
+from attnmt.training import checkpoints, distributed, runlog, step
+from attnmt.training import setup as setup_mod
 
 
 def main() -> int:
@@ -39,15 +40,15 @@ def main() -> int:
         work = Path(tmp)
         cfg = from_dict(train_config(args, name, work))  # --set applied there
         out = work / "model"
-        train_mod.prepare_output_dir(out, overwrite=False, resume=False)
-        log = train_mod.RunLog(out, quiet=True)
-        run = train_mod.setup(cfg, out, False, train_mod.distributed.Ranks(), device, log)
+        checkpoints.prepare_output_dir(out, overwrite=False, resume=False)
+        log = runlog.RunLog(out, quiet=True)
+        run = setup_mod.setup(cfg, out, False, distributed.Ranks(), device, log)
         batches = iter(run.sampler.epoch(1))
 
         def steps(n: int) -> float:
             start = time.perf_counter()
             for _ in range(n):
-                train_mod.train_step(run, [next(batches)], False)
+                step.train_step(run, [next(batches)], False)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             return (time.perf_counter() - start) / n

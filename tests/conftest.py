@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from attnmt.main import main
+from attnmt.cli.main import main
 
 # A toy "language pair": each source word maps to one target word, order reversed.
 LEXICON = {f"w{i}": f"t{i}" for i in range(12)}
@@ -86,7 +86,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, P
     """A tiny trained transformer's model directory (6 steps) and the corpus files it was
     trained on; shared by the tests that only read it."""
     from attnmt.config import from_dict
-    from attnmt.train import train
+    from attnmt.training.loop import train
 
     base = tmp_path_factory.mktemp("trained")
     corpus = {}

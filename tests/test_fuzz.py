@@ -14,7 +14,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attnmt.data import read_parallel
+from attnmt.data.text import read_parallel
 
 from conftest import make_pairs, tiny_config, write_config
 

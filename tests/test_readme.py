@@ -1,14 +1,20 @@
-"""The README documents every config key with its default, and every CLI option."""
+"""The README is the front door and docs/ the manual: every config key with its default, every
+command and option, every page linked, every link alive."""
 
+import re
 from pathlib import Path
 
 import typer.main
 from pydantic import BaseModel
 
-from attnmt.cli import app
+from attnmt.cli.commands import app
 from attnmt.config import Config
 
-README = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+ROOT = Path(__file__).parent.parent
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+MANUAL_PAGES = ["training", "translating", "serving", "exporting", "configuration"]
+MANUAL = "\n".join((ROOT / "docs" / f"{p}.md").read_text(encoding="utf-8") for p in MANUAL_PAGES)
+CONFIG_PAGE = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
 
 
 def keys(model: type[BaseModel], prefix: str = "") -> list[tuple[str, object]]:
@@ -31,21 +37,35 @@ def keys(model: type[BaseModel], prefix: str = "") -> list[tuple[str, object]]:
 
 
 def test_every_config_key_is_documented_with_its_default():
-    rows = [line for line in README.splitlines() if line.startswith("| `")]
+    rows = [line for line in CONFIG_PAGE.splitlines() if line.startswith("| `")]
     for key, default in keys(Config):
         if key.startswith("data.") and key != "data.max_len":
-            assert f"`{key}" in README, key
+            assert f"`{key}" in CONFIG_PAGE, key
             continue
         row = next((r for r in rows if f"`{key}`" in r.split("|")[1]), None)
-        assert row is not None, f"{key} is not in a README config table"
+        assert row is not None, f"{key} is not in a config table of docs/configuration.md"
         if isinstance(default, (int, float, str)) and not isinstance(default, bool):
             names = [n.strip(" `") for n in row.split("|")[1].split(",")]
             cell = row.split("|")[2].split(",")[names.index(key)].strip()
             assert cell == str(default) or float(cell) == float(default), (key, cell, default)
 
 
-def test_every_cli_option_is_documented():
+def test_every_command_and_option_is_in_the_manual():
     for name, cmd in typer.main.get_command(app).commands.items():
+        assert f"| `attnmt {name}" in README, f"attnmt {name}: a row of the README's table"
+        assert f"## `attnmt {name}" in MANUAL, f"attnmt {name}: a section of the manual"
         for param in cmd.params:
             if param.param_type_name == "option" and param.name != "help":
-                assert param.opts[0] in README, f"attnmt {name} {param.opts[0]}"
+                assert param.opts[0] in MANUAL, f"attnmt {name} {param.opts[0]}"
+
+
+def test_the_readme_is_a_front_door_linking_every_page():
+    assert len(README.splitlines()) <= 300
+    for page in MANUAL_PAGES:
+        assert f"](docs/{page}.md" in README, f"docs/{page}.md is not linked from the README"
+
+
+def test_relative_links_point_at_files_that_exist():
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", doc.read_text(encoding="utf-8")):
+            assert (doc.parent / target).exists(), f"{doc.name}: a link to {target}"

@@ -12,17 +12,17 @@ import sentencepiece as spm
 import torch
 
 from attnmt import Translator
-from attnmt.checkpoint import load_model_dir
+from attnmt.apps.plot import read_curves
 from attnmt.config import from_dict, parse_duration
-from attnmt.data import read_split_text
+from attnmt.data.text import read_split_text
+from attnmt.data.tokenizer import Tokenizer
+from attnmt.decoding.translate import score
 from attnmt.errors import ConfigError
-from attnmt.evaluate import score
-from attnmt.plot import read_curves
-from attnmt.prepare import encode_split
-from attnmt.schedules import budget_lr, budget_warmup
-from attnmt.scoring import dev_loss
-from attnmt.tokenizer import Tokenizer
-from attnmt.train import train
+from attnmt.models.directory import load_model_dir
+from attnmt.training.loop import train
+from attnmt.training.prepare import encode_split
+from attnmt.training.schedules import budget_lr, budget_warmup
+from attnmt.training.scoring import dev_loss
 
 from conftest import make_pairs, tiny_config, write_config, write_lines
 

@@ -17,6 +17,8 @@ gain").
                                  or choosing scheduled sampling's inputs as it runs
     bigru_recurrence             the rnn encoder's one-layer bidirectional GRU
     argmax_rows, topk_rows       search's choice of tokens, vectorised on CPU
+
+Imports only the ground floor (device): the models call it, it calls no model.
 """
 
 from attnmt.kernels.attention import fused_attention

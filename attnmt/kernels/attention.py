@@ -1,5 +1,5 @@
 """Scaled dot-product attention in torch's fused kernel (flash / memory-efficient / C++), where
-it is the faster way to compute attnmt.attention's equations.
+it is the faster way to compute attnmt.models.attention's equations.
 
 Why not always: the fused kernel returns no weights, and on CPU it draws its dropout mask with
 the slow `bernoulli_`, where the plain equations with kernels.ops.dropout are faster.

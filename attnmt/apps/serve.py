@@ -1,0 +1,441 @@
+"""`attnmt serve`: translation over HTTP (FastAPI + uvicorn), concurrent requests batched.
+
+Requests wait in one queue; a single search thread takes the first waiting request, then
+whatever else arrives within `batch_wait_ms` (up to `batch_lines` lines, only requests with the
+same search options), searches all their lines as one call of the Translator (which batches
+them by length) and answers each request with its own lines; a long request is searched over
+several batches, interleaved with the others (Batcher). Limits give JSON errors, never a crash:
+too many lines or characters, or a body too large (refused before it is read whole) 413, a
+malformed request (NaN, Infinity, lone surrogates, unknown fields) 422, a full queue 503; every
+error is {"error": message}. GET / is the translation page (web/index.html).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import queue
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException
+
+from attnmt.decoding.search import Sampling, SearchOptions
+from attnmt.decoding.translate import Translation
+from attnmt.decoding.translator import Translator
+from attnmt.errors import AttnmtError
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_lines: int = 64  # lines per request
+    max_chars: int = 2000  # characters per line
+    max_queue: int = 256  # requests waiting
+    batch_wait_ms: float = 5.0  # how long the first request of a batch waits for others
+    batch_lines: int = 256  # lines searched at most in one batch
+    batch_chars: int = 8000  # characters searched at most in one batch (at least one line)
+
+    @property
+    def max_body(self) -> int:
+        """Request bytes at most: every character JSON-escaped as a surrogate pair (12
+        bytes), plus room for the rest of the object."""
+        return self.max_lines * (12 * self.max_chars + 8) + 4096
+
+
+class SamplingRequest(BaseModel):
+    """Draw translations instead of searching (translate --sampling)."""
+
+    model_config = ConfigDict(extra="forbid")
+    temperature: float = Field(1.0, ge=0.01, le=100.0, description="Divide the logits by this.")
+    top_k: int = Field(0, ge=0, description="Draw from the K likeliest tokens (0: all).")
+    seed: int = Field(0, ge=0, le=(1 << 63) - 1, description="Seed of the draws.")
+
+
+class TranslateRequest(BaseModel):
+    """Closed, as the config is: an unknown field is refused (422), not ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+    text: list[str] = Field(description="Sentences to translate, one per item.")
+    beam: int | None = Field(None, ge=1, le=100, description="Beam size (default: the model's).")
+    n_best: int = Field(
+        1, ge=1, le=100, description="Hypotheses per line with scores (at most the beam; "
+        "with sampling, draws); above 1 the answer has `n_best` lists.",
+    )  # fmt: skip
+    length_penalty: float | None = Field(
+        None, ge=0.0, le=10.0, description="GNMT length penalty alpha (default: the model's)."
+    )
+    sampling: SamplingRequest | None = Field(None, description="Draw instead of searching.")
+    attention: bool = Field(
+        False, description="Also return each hypothesis's source attention (`attention`)."
+    )
+    target_lang: str | None = Field(
+        None, description="A multilingual model: the language to translate into."
+    )
+
+
+class Scored(BaseModel):
+    text: str
+    score: float
+
+
+class AttentionMap(BaseModel):
+    src_pieces: list[str] = Field(description="Source pieces, EOS included (the columns).")
+    tgt_pieces: list[str] = Field(description="Output pieces, EOS included if it ended (rows).")
+    weights: list[list[list[list[float]]]] = Field(
+        description="layers x heads x target pieces x source pieces; each row sums to 1. A "
+        "Transformer: every decoder layer and head; the GRU model (or an ensemble): one."
+    )
+
+
+class TranslateResponse(BaseModel):
+    translations: list[str] = Field(description="The best translation of each line.")
+    n_best: list[list[Scored]] | None = Field(
+        None, description="With n_best above 1: each line's hypotheses, best first."
+    )
+    attention: list[list[AttentionMap]] | None = Field(
+        None, description="With attention: each line's maps, one per hypothesis (as n_best)."
+    )
+
+
+class ErrorResponse(BaseModel):
+    error: str = Field(description="What was wrong, in one line (every error has this shape).")
+
+
+@dataclass(eq=False)
+class _Job:
+    lines: list[str]
+    options: SearchOptions
+    target_lang: str | None
+    future: Future = field(default_factory=Future)
+    done: list[list[Translation]] = field(default_factory=list)  # results of lines[: len(done)]
+    cancelled: bool = False  # its client left: no more work for it
+
+    @property
+    def kind(self) -> object:
+        """Jobs of one kind may share a batch. Sampled lines are seeded by their place in
+        the input, so a sampled job is searched alone (its output then equals the CLI's)."""
+        if isinstance(self.options.method, Sampling):
+            return self
+        return (self.options, self.target_lang)
+
+
+class Batcher:
+    """The queue and the search thread that empties it in batches.
+
+    A batch takes the lines of the waiting requests with the oldest one's beam, one line of
+    each in turn, up to batch_lines lines and batch_chars characters: a long request is
+    searched over several batches, and one that arrives meanwhile joins the next batch
+    instead of waiting for the long one to finish.
+    """
+
+    def __init__(self, translator: Translator, limits: Limits) -> None:
+        self.translator, self.limits = translator, limits
+        self.jobs: queue.Queue[_Job] = queue.Queue(maxsize=limits.max_queue)
+        self.batches = 0  # searches run (for /health: batching at work)
+        threading.Thread(target=self._run, name="attnmt-search", daemon=True).start()
+
+    def submit(
+        self, lines: list[str], options: SearchOptions, target_lang: str | None = None
+    ) -> _Job:
+        """Queue a job (queue.Full when the queue is full)."""
+        job = _Job(lines, options, target_lang)
+        self.jobs.put_nowait(job)
+        return job
+
+    def _run(self) -> None:
+        active: list[_Job] = []  # taken from the queue, not finished
+        while True:
+            if not active:
+                active.append(self.jobs.get())
+                deadline = time.monotonic() + self.limits.batch_wait_ms / 1000
+            else:
+                deadline = time.monotonic()  # work is waiting: take only what has come
+            while len(active) < self.limits.max_queue:
+                try:
+                    active.append(self.jobs.get(timeout=max(0.0, deadline - time.monotonic())))
+                except queue.Empty:
+                    break
+            active = [job for job in active if not job.cancelled]
+            if active:
+                self._search(self._take(active))
+                active = [job for job in active if not job.future.done()]
+
+    def _take(self, active: list[_Job]) -> dict[_Job, int]:
+        """The next batch: {job: how many of its next lines}, one line of each job of the
+        first job's kind (search options and target language) in turn, within the batch
+        limits (at least one line)."""
+        kind, limits = active[0].kind, self.limits
+        taken: dict[_Job, int] = {}
+        lines = chars = 0
+        while True:
+            before = lines
+            for job in (j for j in active if j.kind == kind):
+                i = len(job.done) + taken.get(job, 0)
+                if i == len(job.lines):
+                    continue
+                if lines and (
+                    lines == limits.batch_lines or chars + len(job.lines[i]) > limits.batch_chars
+                ):
+                    return taken
+                taken[job] = taken.get(job, 0) + 1
+                lines, chars = lines + 1, chars + len(job.lines[i])
+            if lines == before:
+                return taken
+
+    def _search(self, batch: dict[_Job, int]) -> None:
+        parts = [(job, len(job.done), len(job.done) + n) for job, n in batch.items()]
+        lines = [line for job, start, end in parts for line in job.lines[start:end]]
+        first, start = parts[0][0], parts[0][1]  # a sampled job is alone: seeds from start
+        try:
+            out = self.translator.search(
+                lines, first.options, first_line=start, target_lang=first.target_lang
+            )
+        except Exception as e:  # the server answers 500 and keeps serving
+            for job in batch:
+                job.future.set_exception(e)
+            return
+        self.batches += 1
+        at = 0
+        for job, start, end in parts:
+            job.done.extend(out[at : at + end - start])
+            at += end - start
+            if len(job.done) == len(job.lines):
+                job.future.set_result(job.done)
+
+
+class RequestError(Exception):
+    """A request refused: its HTTP status and the message of its JSON body."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused (413) as soon as it passes `limit` bytes: before it is
+    read whole when Content-Length says so, else as it streams in."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise RequestError(413, f"request body of {int(length):,} bytes; at most {limit:,}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise RequestError(413, f"request body over {limit:,} bytes")
+    return bytes(body)
+
+
+def parse_request(body: bytes) -> TranslateRequest:
+    """A TranslateRequest from JSON bytes; 422 for what JSON or the schema refuse, for the
+    non-standard NaN and Infinity, and for text that is not valid Unicode (lone surrogates)."""
+
+    def refuse(constant: str) -> Any:
+        raise ValueError(f"{constant} is not a JSON number")
+
+    def finite(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value):
+            raise ValueError(f"{text} is out of range")
+        return value
+
+    try:
+        data = json.loads(body, parse_constant=refuse, parse_float=finite)
+        request = TranslateRequest.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise RequestError(422, f"{where}: {first['msg']}") from None
+    except ValueError as e:  # JSONDecodeError included
+        raise RequestError(422, f"not a JSON request: {e}") from None
+    for i, line in enumerate(request.text):
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError(422, f"text[{i}]: not valid Unicode (a lone surrogate)") from None
+    return request
+
+
+def check_limits(request: TranslateRequest, limits: Limits) -> None:
+    """413 for more lines, or a longer line, than the limits allow."""
+    if len(request.text) > limits.max_lines:
+        raise RequestError(413, f"{len(request.text)} lines; at most {limits.max_lines} a request")
+    for i, line in enumerate(request.text):
+        if len(line) > limits.max_chars:
+            raise RequestError(
+                413, f"text[{i}]: {len(line)} characters; at most {limits.max_chars}"
+            )
+
+
+def request_options(translator: Translator, request: TranslateRequest) -> SearchOptions:
+    """The request's search, checked as the CLI's options are (an AttnmtError: 422)."""
+    draws = request.sampling
+    if draws is not None and request.beam is not None:
+        raise AttnmtError("sampling draws instead of searching: drop beam")
+    sampling = None if draws is None else (draws.temperature, draws.top_k, draws.seed)
+    return translator.options(
+        request.beam, request.n_best, request.length_penalty, sampling=sampling
+    )
+
+
+def answer(results: list[list[Translation]], n_best: int) -> dict[str, Any]:
+    """The JSON answer: each line's best translation, and with n_best above 1 its list."""
+    out: dict[str, Any] = {"translations": [r[0].text for r in results]}
+    if n_best > 1:
+        out["n_best"] = [[{"text": t.text, "score": round(t.score, 4)} for t in r] for r in results]
+    return out
+
+
+def maps(translator: Translator, results: list[list[Translation]]) -> list[list[dict[str, Any]]]:
+    """Each hypothesis's source attention (Translator.attention_maps), as JSON."""
+    return [
+        [
+            {
+                "src_pieces": t.src_pieces,
+                "tgt_pieces": t.tgt_pieces,
+                "weights": translator.attention_maps(t).round(decimals=4).tolist(),
+            }
+            for t in found
+        ]
+        for found in results
+    ]
+
+
+def create_app(
+    translator: Translator, limits: Limits, name: str = "", access_log: bool = True
+) -> FastAPI:
+    """The FastAPI application: POST /translate, GET / (the page), GET /health, docs at /docs;
+    every error is {"error": message}; with access_log, one line per request on stderr."""
+    app = FastAPI(title="attnmt", summary=f"Translate with the attnmt model {name}".strip())
+    batcher = Batcher(translator, limits)
+    _translate_route(app, translator, batcher, limits)
+    page = (resources.files("attnmt.apps") / "web" / "index.html").read_text(encoding="utf-8")
+
+    @app.get("/", response_class=HTMLResponse)
+    async def index() -> HTMLResponse:
+        """The translation page (attnmt/apps/web/index.html): it calls /health and /translate."""
+        return HTMLResponse(page)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "model": name,
+            "arch": translator.cfg.model.arch,
+            "beam": translator.cfg.decode.beam,
+            "multilingual": translator.cfg.data.multilingual,
+            "target_langs": translator.target_langs,
+            "queued": batcher.jobs.qsize(),
+            "batches": batcher.batches,
+        }
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail))  # 404, 405: our shape, not {"detail"}
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, exc: Exception) -> JSONResponse:
+        return _error(500, f"{type(exc).__name__}: {exc}")
+
+    if access_log:
+        app.add_middleware(AccessLog)
+    return app
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def _translate_route(
+    app: FastAPI, translator: Translator, batcher: Batcher, limits: Limits
+) -> None:
+    """POST /translate, its request schema (read by hand, to refuse large bodies before they
+    are parsed) documented in the OpenAPI document with its nested models."""
+    schema = TranslateRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+    nested = schema.pop("$defs", {})
+    body = {"required": True, "content": {"application/json": {"schema": schema}}}
+    errors: dict[int | str, dict[str, Any]] = {
+        status: {"model": ErrorResponse} for status in (413, 422, 499, 500, 503)
+    }
+
+    @app.post(
+        "/translate", response_model=TranslateResponse, response_model_exclude_none=True,
+        responses=errors, openapi_extra={"requestBody": body},
+    )  # fmt: skip
+    async def translate(http: Request) -> Any:
+        try:
+            request = parse_request(await read_body(http, limits.max_body))
+            http.state.lines = len(request.text)
+            check_limits(request, limits)
+            options = request_options(translator, request)
+            translator.source_prefix(request.target_lang)  # a multilingual model needs it
+        except RequestError as e:
+            return _error(e.status, str(e))
+        except AttnmtError as e:
+            return _error(422, str(e))
+        if not request.text:
+            return answer([], options.n_best)
+        try:
+            job = batcher.submit(request.text, options, request.target_lang)
+        except queue.Full:
+            return _error(503, f"{limits.max_queue} requests waiting; try again shortly")
+        waiting = asyncio.wrap_future(job.future)
+        while not waiting.done():
+            await asyncio.wait({waiting}, timeout=0.25)
+            if not waiting.done() and await http.is_disconnected():
+                job.cancelled = True  # the client left: its remaining lines are not searched
+                return _error(499, "client closed the request")
+        results = waiting.result()
+        found = answer(results, options.n_best)
+        if request.attention:  # off the event loop: forced decoding is CPU work
+            found["attention"] = await asyncio.to_thread(maps, translator, results)
+        return found
+
+    default_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        document = default_openapi()  # built once, then kept in app.openapi_schema
+        document.setdefault("components", {}).setdefault("schemas", {}).update(nested)
+        return document
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+class AccessLog:
+    """ASGI middleware: one line per HTTP request on stderr (client, method, path, status,
+    lines, milliseconds). Plain ASGI, not Starlette's BaseHTTPMiddleware, which would keep the
+    endpoint from seeing that its client has gone."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start, status = time.perf_counter(), 500
+
+        async def sending(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            ms = (time.perf_counter() - start) * 1000
+            lines = scope.get("state", {}).get("lines", "-")
+            client = scope["client"][0] if scope.get("client") else "-"
+            print(
+                f"attnmt: {client} {scope['method']} {scope['path']} {status} {lines} lines "
+                f"{ms:.1f} ms", file=sys.stderr, flush=True,
+            )  # fmt: skip

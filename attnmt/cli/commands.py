@@ -1,0 +1,399 @@
+"""The `attnmt` commands: train, translate, eval, serve, distill, export, average, plot.
+
+Parses arguments and calls library functions; attnmt.cli.main runs them and turns any AttnmtError
+(a problem with what the user gave us) into one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from attnmt import __version__
+from attnmt.cli.options import (
+    DeviceOption,
+    MatmulOption,
+    PrecisionOption,
+    TargetLangOption,
+    WeightsOption,
+    WorkersOption,
+)
+from attnmt.data.files import OutputSink, atomic_write_bytes, check_output_path
+from attnmt.errors import AttnmtError
+
+app = typer.Typer(
+    name="attnmt",
+    help="Attention-based neural machine translation: train, translate, evaluate.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"attnmt {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    """Attention-based neural machine translation: train, translate, evaluate."""
+
+
+@app.command()
+def train(
+    config: Annotated[Path, typer.Option("--config", "-c", help="YAML config file.")],
+    out: Annotated[Path, typer.Option(
+        "--out", "-o", help="Model directory to create.")] = Path("model"),
+    overrides: Annotated[list[str] | None, typer.Option(
+        "--set", metavar="KEY=VALUE",
+        help="Override a config key by dotted path, value parsed as YAML (repeatable), "
+        "e.g. --set train.lr=0.001")] = None,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Continue the run in --out from its last checkpoint.")] = False,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace the run in --out with a new one.")] = False,
+    quiet: Annotated[bool, typer.Option(
+        "--quiet", "-q", help="No progress bar or log lines on stderr.")] = False,
+    init_from: Annotated[Path | None, typer.Option(
+        "--init-from", help="Fine-tune: start from this model directory.")] = None,
+    time_budget: Annotated[str | None, typer.Option(
+        "--time-budget", help="Stop by wall clock, e.g. 30m, 2h, 1h30m, 90s.")] = None,
+) -> None:  # fmt: skip
+    """Train a SentencePiece model and an encoder-decoder from a YAML config."""
+    from attnmt.config import load_config
+    from attnmt.training.loop import train as run_training
+
+    if resume and overwrite:
+        raise AttnmtError("--resume and --overwrite contradict each other; pick one")
+    overrides = list(overrides or [])
+    if init_from is not None:
+        overrides.append(f"train.init_from={json.dumps(str(init_from))}")  # JSON is YAML
+    if time_budget is not None:
+        overrides.append(f"train.time_budget={json.dumps(time_budget)}")
+    cfg = load_config(config, overrides)
+    run_training(cfg, out, overwrite=overwrite, resume=resume, quiet=quiet)
+
+
+@app.command()
+def translate(
+    model: Annotated[list[Path], typer.Option(
+        "--model", "-m", metavar="DIR",
+        help="Trained model directory (more than once: an ensemble).")],
+    input: Annotated[Path | None, typer.Option(
+        "--input", "-i", help="Input file (default: stdin).")] = None,
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", help="Output file (default: stdout).")] = None,
+    beam: Annotated[int | None, typer.Option(
+        "--beam", "-b", min=1, max=100, help="Beam size; 1 = greedy (default: config).")] = None,
+    n_best: Annotated[int, typer.Option(
+        "--n-best", min=1, max=1000,
+        help="Write the N best hypotheses per input: 'LINE ||| TEXT ||| SCORE'.")] = 1,
+    length_penalty: Annotated[float | None, typer.Option(
+        "--length-penalty", min=0.0, max=10.0,
+        help="GNMT length penalty alpha (default: config).")] = None,
+    batch_tokens: Annotated[int | None, typer.Option(
+        "--batch-tokens", min=1, help="Source tokens per batch (default: config).")] = None,
+    attention: Annotated[Path | None, typer.Option(
+        "--attention",
+        help="Write each sentence's attention (JSON + PNG) to this directory.")] = None,
+    attention_layer: Annotated[int, typer.Option(
+        "--attention-layer", help="Transformer: decoder layer (-1 = top).")] = -1,
+    attention_head: Annotated[int | None, typer.Option(
+        "--attention-head", min=0, help="Transformer: one head (default: mean of heads).")] = None,
+    sampling: Annotated[bool, typer.Option(
+        "--sampling", help="Draw translations instead of searching.")] = False,
+    temperature: Annotated[float, typer.Option(
+        "--temperature", min=0.01, max=100.0, help="Sampling temperature.")] = 1.0,
+    top_k: Annotated[int, typer.Option(
+        "--top-k", min=0, help="Sample from the K likeliest tokens (0: all).")] = 0,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="Sampling seed.")] = 0,
+    weights: WeightsOption = "best",
+    device: DeviceOption = "auto",
+    workers: WorkersOption = None,
+    precision: PrecisionOption = None,
+    matmul: MatmulOption = None,
+    target_lang: TargetLangOption = None,
+) -> None:  # fmt: skip
+    """Translate text, one line in, one line out (beam search, greedy with --beam 1, or
+    --sampling: --n-best K draws K per line)."""
+    from attnmt.apps.heatmap import AttentionMaps
+    from attnmt.data.text import check_input
+    from attnmt.decoding.translate import format_results
+    from attnmt.decoding.translator import Translator
+
+    if output is not None:
+        check_output_path(output, "--output")
+    source = None if input is None or str(input) == "-" else input
+    if source is not None:
+        check_input(source)  # a missing or unreadable file fails before the model loads
+    if sampling and beam is not None:
+        raise AttnmtError("--sampling draws instead of searching: drop --beam")
+    translator = Translator.load(model, device, weights, precision, matmul, workers)
+    spec = None
+    if attention is not None:
+        spec = translator.attention_spec(attention_layer, attention_head)
+        maps = AttentionMaps(attention, translator.cfg.model, spec)  # creates the directory
+    draws = (temperature, top_k, seed) if sampling else None
+    options = translator.options(beam, n_best, length_penalty, attention=spec, sampling=draws)
+    done = 0  # lines translated so far
+    # Written chunk by chunk as each is done: a line sent alone through a pipe or typed at a
+    # terminal is answered at once.
+    with OutputSink(output) as sink:
+        for lines, results in translator.stream(source, options, batch_tokens, None, target_lang):
+            sink.write(format_results(results, n_best, done))
+            if spec is not None:
+                maps.write([r[0] for r in results], first=done)
+            done += len(lines)
+
+
+@app.command()
+def average(
+    model: Annotated[Path, typer.Argument(help="Trained model directory.")],
+    last: Annotated[int | None, typer.Option(
+        "--last", min=1, help="Average the last N kept checkpoints.")] = None,
+    best: Annotated[int | None, typer.Option(
+        "--best", min=1, help="Average the N kept checkpoints with the best dev score.")] = None,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Replace an existing averaged.safetensors.")] = False,
+) -> None:  # fmt: skip
+    """Average checkpoints' weights into DIR/averaged.safetensors (use with --weights averaged)."""
+    from attnmt.models.directory import AVERAGED_FILE
+    from attnmt.training.checkpoints import average_checkpoints
+
+    if (last is None) == (best is None):
+        raise AttnmtError("give one of --last N or --best N")
+    if not model.is_dir():
+        raise AttnmtError(f"model directory not found: {model}")
+    if (model / AVERAGED_FILE).exists() and not force:
+        raise AttnmtError(
+            f"{model / AVERAGED_FILE} exists (training writes it); --force replaces it"
+        )
+    by, n = ("last", last) if last is not None else ("best", best)
+    path, steps = average_checkpoints(model, int(n), by)  # type: ignore[arg-type]
+    typer.echo(f"{path}: mean of steps {', '.join(map(str, steps))}")
+
+
+@app.command()
+def export(
+    model: Annotated[Path, typer.Argument(help="Trained model directory (a Transformer).")],
+    out: Annotated[Path, typer.Argument(help="Directory to write the exported model to.")],
+    format: Annotated[str, typer.Option(
+        "--format", help="Target runtime (ctranslate2).")] = "ctranslate2",
+    weights: Annotated[str, typer.Option(
+        "--weights", help="best, last, averaged, step-N or a file.")] = "best",
+    quantization: Annotated[str | None, typer.Option(
+        "--quantization", help="Store weights as int8, int16, float16, ...")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace OUT if it exists.")] = False,
+    check: Annotated[Path | None, typer.Option(
+        "--check", help="Compare the export with attnmt on this file's first 100 lines "
+        "(default: the dev set's).")] = None,
+) -> None:  # fmt: skip
+    """Export a Transformer to CTranslate2 (pip install 'attnmt[export]'), tokenizer included,
+    and report how many sentences it translates exactly as attnmt does."""
+    from attnmt.apps.export import export_ctranslate2, report_agreement
+    from attnmt.data.text import check_input
+
+    if format != "ctranslate2":
+        raise AttnmtError(f"--format {format!r}: expected ctranslate2")
+    if not model.is_dir():
+        raise AttnmtError(f"model directory not found: {model}")
+    if check is not None:
+        check_input(check)
+    files = export_ctranslate2(model, out, weights, quantization, force)
+    typer.echo(f"{out}: {', '.join(files)}")
+    report_agreement(out, model, weights, check, quantization)
+
+
+@app.command()
+def plot(
+    models: Annotated[list[Path], typer.Argument(help="Model directories (one or more).")],
+    output: Annotated[Path, typer.Option(
+        "--output", "-o", help="PNG file to write.")] = Path("curves.png"),
+) -> None:  # fmt: skip
+    """Draw training curves (loss, dev BLEU, lr against steps and minutes) of runs into a PNG."""
+    from attnmt.apps.plot import plot_runs
+
+    check_output_path(output, "--output")
+    plot_runs(models, output)
+    typer.echo(f"{output}: curves of {', '.join(str(m) for m in models)}")
+
+
+@app.command()
+def serve(
+    model: Annotated[list[Path], typer.Option(
+        "--model", "-m", metavar="DIR",
+        help="Trained model directory (more than once: an ensemble).")],
+    host: Annotated[str, typer.Option("--host", help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port.")] = 8000,
+    max_lines: Annotated[int, typer.Option(
+        "--max-lines", min=1, help="Lines per request (more: 413).")] = 64,
+    max_chars: Annotated[int, typer.Option(
+        "--max-chars", min=1, help="Characters per line (more: 413).")] = 2000,
+    max_queue: Annotated[int, typer.Option(
+        "--max-queue", min=1, help="Requests waiting (more: 503).")] = 256,
+    batch_wait_ms: Annotated[float, typer.Option(
+        "--batch-wait-ms", min=0.0, help="How long a request waits for others.")] = 5.0,
+    access_log: Annotated[bool, typer.Option(
+        "--access-log/--no-access-log", help="A line per request on stderr.")] = True,
+    weights: WeightsOption = "best",
+    device: DeviceOption = "auto",
+    workers: WorkersOption = None,
+    precision: PrecisionOption = None,
+    matmul: MatmulOption = None,
+) -> None:  # fmt: skip
+    """Serve translations over HTTP: POST /translate {"text": [...], "beam": 5}."""
+    try:
+        import uvicorn
+
+        from attnmt.apps.serve import Limits, create_app
+    except ImportError as e:
+        raise AttnmtError(
+            f'attnmt serve needs the serve extra ({e.name} is missing): pip install "attnmt[serve]"'
+        ) from None
+    from attnmt.decoding.translator import Translator
+
+    translator = Translator.load(model, device, weights, precision, matmul, workers)
+    limits = Limits(max_lines, max_chars, max_queue, batch_wait_ms)
+    name = " + ".join(map(str, model))
+    app_ = create_app(translator, limits, name, access_log)
+    typer.echo(f"attnmt: serving {name} on http://{host}:{port} (docs: /docs)", err=True)
+    uvicorn.run(app_, host=host, port=port, log_level="warning")
+
+
+@app.command()
+def distill(
+    teacher: Annotated[list[Path], typer.Option(
+        "--teacher", "-t", metavar="DIR",
+        help="Teacher model directory (more than once: an ensemble).")],
+    src: Annotated[Path, typer.Option(
+        "--src", "-s", help="Source side of the training corpus (plain or .gz).")],
+    output: Annotated[Path, typer.Option(
+        "--output", "-o", help="The teacher's translations, one per source line.")],
+    beam: Annotated[int, typer.Option("--beam", "-b", min=1, max=100, help="Beam size.")] = 5,
+    chunk_lines: Annotated[int, typer.Option(
+        "--chunk-lines", min=1, help="Lines translated, then saved, at a time.")] = 2048,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Start over: replace OUTPUT and any interrupted run.")] = False,
+    weights: WeightsOption = "best",
+    device: DeviceOption = "auto",
+    workers: WorkersOption = None,
+    precision: PrecisionOption = None,
+    matmul: MatmulOption = None,
+    target_lang: TargetLangOption = None,
+) -> None:  # fmt: skip
+    """Translate a corpus's source side with a teacher for sequence-level distillation;
+    re-run the same command after an interruption to continue where it stopped."""
+    from attnmt.apps.distill import distill as run_distill
+    from attnmt.decoding.translator import Translator
+
+    check_output_path(output, "--output")
+    translator = Translator.load(teacher, device, weights, precision, matmul, workers)
+    done = run_distill(
+        translator, teacher, weights, src, output, beam, target_lang, chunk_lines, force
+    )
+    rate = done.translated / max(done.seconds, 1e-9)
+    typer.echo(
+        f"distill: {done.lines:,} lines in {output} ({done.translated:,} translated now, "
+        f"{done.seconds:.1f} s, {rate:.1f} lines/s)", err=True,
+    )  # fmt: skip
+
+
+@app.command("eval")
+def evaluate(
+    ref: Annotated[list[Path], typer.Option(
+        "--ref", "-r", help="Reference translations (more than once: several per line).")],
+    hyp: Annotated[Path | None, typer.Option(
+        "--hyp", help="Translations to score (instead of --model).")] = None,
+    model: Annotated[list[Path] | None, typer.Option(
+        "--model", "-m", metavar="DIR",
+        help="Model directory to translate --src (more than once: an ensemble).")] = None,
+    src: Annotated[Path | None, typer.Option(
+        "--src", "-s", help="Source file, with --model.")] = None,
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", help="Also write the translations here.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    lowercase: Annotated[bool, typer.Option(
+        "--lowercase", "-lc", help="Case-insensitive scores (sacreBLEU's -lc).")] = False,
+    beam: Annotated[int | None, typer.Option(
+        "--beam", "-b", min=1, max=100, help="Beam size with --model (default: config).")] = None,
+    weights: WeightsOption = "best",
+    device: DeviceOption = "auto",
+    workers: WorkersOption = None,
+    precision: PrecisionOption = None,
+    matmul: MatmulOption = None,
+    target_lang: TargetLangOption = None,
+) -> None:  # fmt: skip
+    """Score translations with sacreBLEU (BLEU, chrF, TER); translate --src first if --model is
+    given."""
+    from attnmt.config import SplitConfig
+    from attnmt.data.text import read_references, read_test_set
+    from attnmt.decoding.translate import score
+
+    if (hyp is None) == (model is None):
+        raise AttnmtError("give either --hyp FILE, or --model DIR with --src FILE")
+    if model is not None and src is None:
+        raise AttnmtError("--model needs --src FILE (the source text to translate)")
+    if output is not None:
+        check_output_path(output, "--output")
+    # Every line counts, an empty one too, as in the `test` event of training.
+    lines, refs = read_test_set(SplitConfig(src=hyp or src, tgt=ref[0]))  # before the model
+    more = read_references(ref[1:], len(refs))
+    hyps = lines
+    if model is not None:
+        from attnmt.decoding.translator import Translator
+
+        translator = Translator.load(model, device, weights, precision, matmul, workers)
+        _, hyps = translator.score_test_set(lines, refs, beam, target_lang)
+        if output is not None:
+            atomic_write_bytes(output, "".join(h + "\n" for h in hyps).encode("utf-8"))
+    s = score(hyps, refs, more, ter=True, lowercase=lowercase)
+    if as_json:
+        typer.echo(json.dumps(s.as_dict()))
+    else:
+        typer.echo(s.bleu_detail)
+        typer.echo(f"chrF2 = {s.chrf:.2f}")
+        typer.echo(f"TER = {s.ter:.2f}")
+        typer.echo(f"BLEU signature: {s.bleu_signature}")
+        typer.echo(f"chrF signature: {s.chrf_signature}")
+        typer.echo(f"TER signature: {s.ter_signature}")
+        typer.echo(f"BLEU = {s.bleu:.2f}")
+
+
+@app.command("score")
+def score_command(
+    model: Annotated[list[Path], typer.Option(
+        "--model", "-m", metavar="DIR", help="Model directory (more than once: an ensemble).")],
+    src: Annotated[Path, typer.Option("--src", "-s", help="Source sentences.")],
+    tgt: Annotated[Path, typer.Option("--tgt", "-t", help="Their translations to score.")],
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", help="Output file (default: stdout).")] = None,
+    normalize: Annotated[bool, typer.Option(
+        "--normalize", help="Log-probability per target piece, not per sentence.")] = False,
+    weights: WeightsOption = "best",
+    device: DeviceOption = "auto",
+    precision: PrecisionOption = None,
+    matmul: MatmulOption = None,
+    target_lang: TargetLangOption = None,
+) -> None:  # fmt: skip
+    """Forced decoding: each translation's log-probability under the model, one per line."""
+    from attnmt.config import SplitConfig
+    from attnmt.data.text import read_test_set
+    from attnmt.decoding.translator import Translator
+
+    if output is not None:
+        check_output_path(output, "--output")
+    sources, targets = read_test_set(SplitConfig(src=src, tgt=tgt))
+    translator = Translator.load(model, device, weights, precision, matmul, 1)
+    found = translator.score_pairs(sources, targets, target_lang=target_lang)
+    with OutputSink(output) as sink:
+        sink.write("".join(f"{f.per_piece if normalize else f.log_prob:.4f}\n" for f in found))

@@ -1,0 +1,407 @@
+"""Decoding: greedy search, batched beam search and sampling over any model with the seq2seq
+interface, behind one entry, `decode(model, src, src_pad_mask, options)`, that dispatches on
+the method's type (Greedy, Beam, Sampling).
+
+All of them decode a whole batch at once and drop finished sentences from the active set, so a
+step costs in proportion to the sentences still being decoded. Beam search advances every beam
+of every sentence as one (sentences × beam) tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from attnmt.config import DecodeConfig
+from attnmt.kernels import argmax_rows, topk_rows
+from attnmt.models.seq2seq import AttentionSpec, Seq2Seq
+
+
+@dataclass(frozen=True)
+class Greedy:
+    """The likeliest token at every step (what beam size 1 means)."""
+
+    n_best = 1
+
+
+@dataclass(frozen=True)
+class Beam:
+    """Beam search with `size` beams per sentence; finished hypotheses ranked by
+    log-probability / GNMT length penalty (alpha = length_penalty); n_best (<= size) of them."""
+
+    size: int = 5
+    length_penalty: float = 1.0
+    n_best: int = 1
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """n_best draws per sentence from the model's distribution softened by temperature and
+    cut to the top_k tokens (0: all), from a generator seeded with seed."""
+
+    n_best: int = 1
+    temperature: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+
+Method = Greedy | Beam | Sampling
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """How to decode: the method and what every method shares (built from a config's decode
+    section by search_options)."""
+
+    method: Method = field(default_factory=Greedy)
+    max_len_a: float = 1.5  # output limit a * source length + b, at most max_output_len
+    max_len_b: int = 10
+    max_output_len: int = 1500
+    max_src_len: int = 1000  # source subwords per line (EOS included); translate cuts the rest
+    attention: AttentionSpec | None = None  # return this attention per hypothesis
+    # Greedy search only (beam search needs them): compute Hypothesis.score, else NaN.
+    scores: bool = True
+
+    @property
+    def n_best(self) -> int:
+        """Hypotheses per sentence."""
+        return self.method.n_best
+
+
+def search_options(
+    cfg: DecodeConfig,
+    *,
+    beam: int | None = None,
+    length_penalty: float | None = None,
+    n_best: int = 1,
+    attention: AttentionSpec | None = None,
+    sampling: tuple[float, int, int] | None = None,
+) -> SearchOptions:
+    """The one place SearchOptions are built: a config's decode section, with beam and length
+    penalty overridable (flags, train.eval_beam); beam 1 is greedy search. Scores are computed
+    only for n-best lists, the one output that shows them. `sampling`: (temperature, top_k,
+    seed) to sample n_best draws instead."""
+    beam = cfg.beam if beam is None else beam
+    alpha = cfg.length_penalty if length_penalty is None else length_penalty
+    method: Method
+    if sampling is not None:
+        method = Sampling(n_best, *sampling)
+    elif beam == 1 and n_best == 1:
+        method = Greedy()
+    else:
+        method = Beam(beam, alpha, n_best)
+    return SearchOptions(
+        method, cfg.max_len_a, cfg.max_len_b, cfg.max_output_len, cfg.max_src_len, attention,
+        scores=n_best > 1,
+    )  # fmt: skip
+
+
+def decode(
+    model: Seq2Seq, src: torch.Tensor, src_pad_mask: torch.Tensor, options: SearchOptions
+) -> list[list[Hypothesis]]:
+    """Decode a batch: for each sentence, options.n_best hypotheses (best first).
+
+    Args:
+        src: (B, S) source ids, EOS included; src_pad_mask: (B, S) bool, True at padding.
+    """
+    method = options.method
+    if isinstance(method, Beam):
+        return beam_search(model, src, src_pad_mask, options)
+    if isinstance(method, Sampling):
+        return sample(model, src, src_pad_mask, options)
+    return [[h] for h in greedy_search(model, src, src_pad_mask, options)]
+
+
+@dataclass
+class Hypothesis:
+    tokens: list[int]  # output ids, without BOS and EOS
+    score: float  # log-probability, divided by the length penalty in beam search (NaN: not asked)
+    ended: bool  # True if it ended with EOS, False if the length limit cut it
+    attention: torch.Tensor | None = None  # (steps, S): one row per token, EOS included
+
+
+def max_output_lengths(src_pad_mask: torch.Tensor, options: SearchOptions) -> torch.Tensor:
+    """Per-sentence output limit a * source_length + b, at most max_output_len (EOS
+    included): (B,) long."""
+    src_len = (~src_pad_mask).sum(dim=1)  # (B,)
+    limits = (options.max_len_a * src_len.float()).floor().long() + options.max_len_b
+    return limits.clamp(max=options.max_output_len)
+
+
+def length_penalty(length: int | torch.Tensor, alpha: float) -> float | torch.Tensor:
+    """GNMT length penalty ((5 + length) / 6) ** alpha (Wu et al. 2016,
+    https://arxiv.org/abs/1609.08144, eq. 14); alpha = 0 scores by raw log-probability."""
+    return ((5 + length) / 6) ** alpha
+
+
+# Greedy search drops finished sentences from the batch once this share of its rows has
+# finished (1/8): gathering the memory and caches after every step where one sentence ends
+# costs more than decoding a few finished rows along.
+COMPACT_SHARE = 8
+
+
+@torch.no_grad()
+def greedy_search(
+    model: Seq2Seq,
+    src: torch.Tensor,
+    src_pad_mask: torch.Tensor,
+    options: SearchOptions,
+    pick: Callable[[torch.Tensor], torch.Tensor] = argmax_rows,
+) -> list[Hypothesis]:
+    """Take the argmax (or what `pick` chooses from each row of logits) at every step.
+
+    Finished sentences leave the batch in groups (see COMPACT_SHARE); until then their rows
+    are decoded and ignored, which changes nothing in the others: rows never mix.
+
+    Args:
+        src: (B, S) source ids; src_pad_mask: (B, S) bool, True at padding.
+        options: the output limit; `attention` returns each hypothesis's source attention per
+            step (slower); without `scores` the scores are NaN (no log-softmax per step).
+    Returns:
+        One hypothesis per sentence; score = summed log-probability.
+    """
+    B, device = src.size(0), src.device
+    limits = max_output_lengths(src_pad_mask, options)  # (B,)
+    attention, scores = options.attention, options.scores
+    memory = model.encode(src, src_pad_mask)
+    state = model.init_state(memory)
+    prev = torch.full((B,), model.bos_id, dtype=torch.long, device=device)  # (B,)
+    rows = torch.arange(B, device=device)  # sentence of each row of the batch
+    live = torch.ones(B, dtype=torch.bool, device=device)  # (B_r,) rows still decoding
+    steps: list[torch.Tensor] = []  # per step: (B,) token, PAD once finished
+    total = torch.zeros(B, device=device) if scores else torch.full((B,), torch.nan, device=device)
+    attn_steps: list[torch.Tensor] = []  # per step: (B, S)
+    for t in range(int(limits.max())):
+        logits, state, attn = model.decode_step(memory, state, prev, attention)  # (B_r, V)
+        nxt = pick(logits)  # (B_r,)
+        if scores:
+            logp = torch.log_softmax(logits.float(), dim=-1).gather(1, nxt[:, None])  # (B_r, 1)
+            total.index_add_(0, rows, logp.squeeze(1).masked_fill(~live, 0.0))
+        full = torch.full((B,), model.pad_id, dtype=torch.long, device=device)
+        full[rows] = nxt.masked_fill(~live, model.pad_id)
+        steps.append(full)
+        if attn is not None:
+            a = torch.zeros(B, src.size(1), device=device)
+            a[rows] = attn.float().masked_fill(~live.unsqueeze(1), 0.0)
+            attn_steps.append(a)
+        live &= (nxt != model.eos_id) & (limits[rows] > t + 1)
+        n_live = int(live.sum())
+        if n_live == 0:
+            break
+        if live.numel() - n_live >= max(1, live.numel() // COMPACT_SHARE):
+            keep = live.nonzero().squeeze(1)  # (B_r',)
+            memory = model.select_memory(memory, keep)
+            state = model.select_state(state, keep)
+            rows, nxt, live = rows[keep], nxt[keep], live[keep]
+        prev = nxt
+    out = torch.stack(steps, dim=1).tolist()  # (B, T)
+    hyps = []
+    for i, row in enumerate(out):
+        n = next((j for j, tok in enumerate(row) if tok in (model.eos_id, model.pad_id)), len(row))
+        ended = n < len(row) and row[n] == model.eos_id
+        a = torch.stack([s[i] for s in attn_steps[: n + int(ended)]]) if attn_steps else None
+        hyps.append(Hypothesis(row[:n], float(total[i]), ended, a))
+    return hyps
+
+
+@torch.no_grad()
+def sample(
+    model: Seq2Seq, src: torch.Tensor, src_pad_mask: torch.Tensor, options: SearchOptions
+) -> list[list[Hypothesis]]:
+    """options.n_best draws per sentence, token by token from softmax(logits / temperature)
+    over the top_k tokens (ancestral sampling, for back-translation: Edunov et al. 2018,
+    https://arxiv.org/abs/1808.09381). Scores are the model's own log-probabilities."""
+    method = options.method
+    assert isinstance(method, Sampling)
+    k = method.n_best
+    generator = torch.Generator(device=src.device).manual_seed(method.seed)
+
+    def draw(logits: torch.Tensor) -> torch.Tensor:  # (B_r, V) -> (B_r,)
+        logits = logits.float() / method.temperature
+        if 0 < method.top_k < logits.size(1):
+            kth = logits.topk(method.top_k, dim=1).values[:, -1:]  # (B_r, 1)
+            logits = logits.masked_fill(logits < kth, -torch.inf)
+        probs = torch.softmax(logits, dim=1)
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+    rows = greedy_search(
+        model, src.repeat_interleave(k, 0), src_pad_mask.repeat_interleave(k, 0), options, draw
+    )
+    return [rows[i * k : (i + 1) * k] for i in range(src.size(0))]
+
+
+@torch.no_grad()
+def beam_search(
+    model: Seq2Seq,
+    src: torch.Tensor,
+    src_pad_mask: torch.Tensor,
+    options: SearchOptions,
+) -> list[list[Hypothesis]]:
+    """Batched beam search: all sentences and all their beams advance as one tensor.
+
+    At each step every live beam is extended by every token; of the 2K best candidates of a
+    sentence, those ending in EOS that rank within the top K are finished, and the K best
+    others continue. A sentence is done once its best candidate is EOS and it has n_best
+    finished hypotheses (the rule of OpenNMT-py), or at its length limit, when its live beams
+    are finished as they are; it then leaves the batch. Finished hypotheses are ranked by
+    log-probability / length_penalty(length, alpha), with length counting EOS.
+
+    Returns:
+        For each sentence, its n_best hypotheses: the 1-best first, then by score (_Finished).
+    """
+    # Long: one loop whose four numbered parts share the beams' state (scores, tokens, state,
+    # attention, active sentences); as functions they would pass all of it back and forth.
+    method = options.method
+    assert isinstance(method, Beam)
+    K, n_best, alpha = method.size, method.n_best, method.length_penalty
+    attention = options.attention
+    assert 1 <= n_best <= K
+    B, device = src.size(0), src.device
+    limits = max_output_lengths(src_pad_mask, options)  # (B,)
+    # One memory row per sentence, shared by its K beams (see attnmt.models.build).
+    memory = model.encode(src, src_pad_mask)
+    beams_of = torch.arange(B, device=device).repeat_interleave(K)  # (B * K,)
+    state = model.select_state(model.init_state(memory), beams_of)  # rows: sentence-major
+    # Only the first beam starts alive, so the first step does not pick K copies of one token.
+    scores = torch.full((B, K), float("-inf"), device=device)  # (B_a, K) summed log-probs
+    scores[:, 0] = 0.0
+    tokens = torch.full((B * K, 0), model.pad_id, dtype=torch.long, device=device)  # (B_a*K, t)
+    attn_hist: torch.Tensor | None = None  # (B_a*K, t, S)
+    prev = torch.full((B * K,), model.bos_id, dtype=torch.long, device=device)
+    active = list(range(B))  # original sentence index of each active row block
+    results = _Finished(alpha, n_best, B)
+    for t in range(int(limits.max())):
+        n = len(active)
+        logits, state, attn = model.decode_step(memory, state, prev, attention)  # (n*K, V)
+        logp = torch.log_softmax(logits.float(), dim=-1)  # (n*K, V)
+        top_scores, top_beam, top_tok = _best_candidates(scores, logp)  # (n, 2K) each
+        if attn is not None:
+            a = attn.float().unsqueeze(1)  # (n*K, 1, S)
+            attn_hist = a if attn_hist is None else torch.cat([attn_hist, a], dim=1)
+        # 1. EOS among each sentence's top K candidates finishes a hypothesis.
+        is_eos = top_tok == model.eos_id  # (n, 2K)
+        finish = is_eos.clone()
+        finish[:, K:] = False
+        for r, c in finish.nonzero().tolist():
+            row = r * K + int(top_beam[r, c])
+            results.add(
+                active[r], tokens[row], float(top_scores[r, c]), t + 1, True, attn_hist, row
+            )
+        # 2. The K best candidates that are not EOS continue.
+        cont_scores = top_scores.masked_fill(is_eos, float("-inf"))  # (n, 2K)
+        new_scores, pick = cont_scores.topk(K, dim=1)  # (n, K)
+        new_beam = top_beam.gather(1, pick)  # (n, K)
+        new_tok = top_tok.gather(1, pick)  # (n, K)
+        rows = (torch.arange(n, device=device).unsqueeze(1) * K + new_beam).view(-1)  # (n*K,)
+        tokens = torch.cat([tokens[rows], new_tok.view(-1, 1)], dim=1)  # (n*K, t+1)
+        if attn_hist is not None:
+            attn_hist = attn_hist[rows]
+        # 3. A sentence is done when its best candidate is EOS (no live beam scores higher)
+        # and it has n_best finished hypotheses; at its length limit, its live beams finish
+        # as they are. Stopping as soon as K hypotheses finished would not do: on a confident
+        # model the EOS extensions of poor beams fill those K places while the best beam is
+        # still in mid-sentence.
+        best_is_eos = is_eos[:, 0].tolist()
+        at_limit = (limits[active] <= t + 1).tolist()
+        keep = []
+        for r in range(n):
+            for j in range(K if at_limit[r] else 0):
+                row = r * K + j
+                results.add(active[r], tokens[row], float(new_scores[r, j]), t + 1, False,
+                            attn_hist, row)  # fmt: skip
+            if not results.done(active[r], best_is_eos[r], at_limit[r]):
+                keep.append(r)
+        # 4. Done sentences leave; the others go on with their reordered beams.
+        if not keep:
+            break
+        scores = new_scores
+        prev = new_tok.view(-1)
+        if len(keep) < n:
+            keep_t = torch.tensor(keep, device=device)
+            keep_rows = (keep_t.unsqueeze(1) * K + torch.arange(K, device=device)).view(-1)
+            memory = model.select_memory(memory, keep_t)
+            # One gather of the decoder state: the reordered beams of the sentences kept.
+            state = model.select_state(state, rows[keep_rows])
+            scores, prev, tokens = scores[keep_t], prev[keep_rows], tokens[keep_rows]
+            if attn_hist is not None:
+                attn_hist = attn_hist[keep_rows]
+            active = [active[r] for r in keep]
+        else:
+            state = model.select_state(state, rows)
+    return results.n_best_lists()
+
+
+def _best_candidates(
+    scores: torch.Tensor, logp: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each sentence's 2K best extensions from beam scores (n, K) and next-token log-probs
+    (n*K, V): their scores, beams and tokens, (n, 2K) each, best first.
+
+    A sentence's 2K best candidates are among the 2K best continuations of their own beams (a
+    better candidate of the same beam is a better one overall), so the beam scores are added
+    to those K * 2K only, not to all K * V.
+    """
+    n, K = scores.shape
+    per_beam = min(2 * K, logp.size(-1))
+    beam_lp, beam_tok = topk_rows(logp, per_beam)  # (n*K, P)
+    cand = (scores.view(-1, 1) + beam_lp).view(n, K * per_beam)  # (n, K*P)
+    top_scores, top_idx = cand.topk(2 * K, dim=1)  # (n, 2K)
+    top_beam = torch.div(top_idx, per_beam, rounding_mode="floor")  # (n, 2K)
+    return top_scores, top_beam, beam_tok.view(n, K * per_beam).gather(1, top_idx)
+
+
+class _Finished:
+    """Beam search's finished hypotheses per sentence, and each sentence's 1-best answer."""
+
+    def __init__(self, alpha: float, n_best: int, sentences: int) -> None:
+        self.alpha, self.n_best = alpha, n_best
+        self.hyps: list[list[Hypothesis]] = [[] for _ in range(sentences)]
+        self.first: list[Hypothesis | None] = [None] * sentences
+
+    def add(
+        self,
+        sent: int,
+        tokens: torch.Tensor,
+        logprob: float,
+        length: int,
+        ended: bool,
+        attn_hist: torch.Tensor | None,
+        row: int,
+    ) -> None:
+        """Finish a hypothesis of sentence `sent`: tokens (t,), the attention of beam row `row`."""
+        attn = attn_hist[row] if attn_hist is not None else None
+        self.hyps[sent].append(_hypothesis(tokens, logprob, length, self.alpha, ended, attn))
+
+    def done(self, sent: int, best_is_eos: bool, at_limit: bool) -> bool:
+        """Whether sentence `sent` is done (see beam_search). Where a 1-best search would stop,
+        its answer is kept: it heads the n-best list too."""
+        hyps = self.hyps[sent]
+        if self.first[sent] is None and (at_limit or (best_is_eos and hyps)):
+            self.first[sent] = max(hyps, key=lambda h: h.score)
+        return at_limit or (best_is_eos and len(hyps) >= self.n_best)
+
+    def n_best_lists(self) -> list[list[Hypothesis]]:
+        """Per sentence: the 1-best answer, then the other hypotheses by score. A longer search
+        for more hypotheses may find one scoring above the 1-best; it still comes second, so
+        that the first line of an n-best list is always what a 1-best translation gives."""
+        out = []
+        for hyps, first in zip(self.hyps, self.first, strict=True):
+            assert first is not None
+            rest = sorted((h for h in hyps if h is not first), key=lambda h: -h.score)
+            out.append([first, *rest][: self.n_best])
+        return out
+
+
+def _hypothesis(
+    tokens: torch.Tensor,
+    logprob: float,
+    length: int,
+    alpha: float,
+    ended: bool,
+    attn: torch.Tensor | None,
+) -> Hypothesis:
+    """A finished hypothesis; `length` counts its steps (output tokens, plus EOS if ended)."""
+    ids = [int(x) for x in tokens.tolist()]
+    return Hypothesis(ids, logprob / float(length_penalty(length, alpha)), ended, attn)

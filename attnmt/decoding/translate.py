@@ -1,0 +1,221 @@
+"""Translate lists of sentences with a trained model, and score translations with sacreBLEU."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import cast
+
+import sacrebleu
+import torch
+
+from attnmt.data.batches import pad_sequences, sorted_batches
+from attnmt.data.processes import map_batches
+from attnmt.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
+from attnmt.decoding.search import Hypothesis, Sampling, SearchOptions, decode
+from attnmt.device import PRECISION_DTYPES
+from attnmt.errors import DataError
+from attnmt.kernels import matmul_backend, quantize_int8
+from attnmt.kernels.matmul import active as active_backend
+from attnmt.models.seq2seq import Seq2Seq
+
+
+@dataclass
+class Translation:
+    text: str
+    score: float
+    src_pieces: list[str]  # source subwords (EOS included), the attention's columns
+    tgt_pieces: list[str]  # output subwords (and EOS if it ended so), the attention's rows
+    attention: torch.Tensor | None  # (len(tgt_pieces), len(src_pieces)) when asked for
+
+
+def translate(
+    model: Seq2Seq,
+    tokenizer: Tokenizer,
+    lines: Sequence[str],
+    options: SearchOptions,
+    *,
+    batch_tokens: int,
+    batch_sentences: int | None = None,
+    device: torch.device | str = "cpu",
+    workers: int = 1,
+    first_line: int = 0,
+    matmul: str | None = None,
+    prefix: Sequence[int] = (),
+) -> list[list[Translation]]:
+    """Translate each line: options.n_best translations per input, in input order.
+
+    Sentences are batched by length (longest first, at most batch_tokens source tokens and
+    batch_sentences sentences per batch) and put back in order; an empty or whitespace-only
+    line gives empty translations without touching the model. Each batch is decoded by
+    search.decode with options.method (greedy, beam or sampling).
+
+    workers > 1 searches that many batches at once, sharing the intra-op threads (see
+    processes.map_batches); the results do not depend on it. `matmul`: the CPU fp32 matmul
+    backend (blas or onednn) to search with; None: the one in use here (kernels.matmul_backend).
+    `prefix`: ids before every source (a multilingual model's target-language tag), shown as
+    source pieces.
+    """
+    was_training = model.training
+    model.eval()
+    empty = Translation("", 0.0, [], [], None)
+    outputs: list[list[Translation]] = [[empty] * options.n_best for _ in lines]
+    todo = [i for i, line in enumerate(lines) if line.strip()]
+    src = [[*prefix, *s, EOS_ID] for s in tokenizer.src.encode([lines[i].strip() for i in todo])]
+    for j, ids in enumerate(src):
+        if len(ids) > options.max_src_len:  # one very long line must not stall the rest
+            print(
+                f"attnmt: warning: input line {todo[j] + 1}: {len(ids) - 1:,} subwords, cut to "
+                f"the first {options.max_src_len - 1:,} (decode.max_src_len)",
+                file=sys.stderr,
+            )
+            src[j] = [*ids[: options.max_src_len - 1], EOS_ID]
+    batches = list(sorted_batches([len(s) for s in src], batch_tokens, batch_sentences))
+
+    job = _SearchJob(model, src, options, device, first_line, matmul or active_backend())
+    results = map_batches(job, batches, workers, device)
+    for batch, found in zip(batches, results, strict=True):
+        for j, hyps in zip(batch, found, strict=True):
+            src_pieces = tokenizer.src.pieces(src[j])
+            outputs[todo[j]] = [
+                Translation(
+                    tokenizer.tgt.decode(h.tokens),
+                    h.score,
+                    src_pieces,
+                    tokenizer.tgt.pieces(h.tokens) + (["</s>"] if h.ended else []),
+                    None if h.attention is None else h.attention[:, : len(src_pieces)].cpu(),
+                )
+                for h in hyps
+            ]
+    model.train(was_training)
+    return outputs
+
+
+SEED_MASK = 2**63 - 1  # torch generators take seeds below 2 ** 64
+
+
+@dataclass(frozen=True)
+class _SearchJob:
+    """What searching a batch needs besides the batch: a batch is a list of indices into src."""
+
+    model: Seq2Seq
+    src: list[list[int]]  # source ids, EOS included
+    options: SearchOptions
+    device: torch.device | str
+    first_line: int  # lines of the input before these (a chunk's offset): sampling seeds
+    matmul: str  # the CPU fp32 matmul backend, set in whichever thread searches
+
+    @torch.inference_mode()  # per thread, like grad mode: set in the thread that searches
+    def __call__(self, batch: list[int]) -> list[list[Hypothesis]]:
+        tokens = pad_sequences([self.src[j] for j in batch], PAD_ID).to(self.device)  # (B, S)
+        pad_mask = tokens == PAD_ID  # (B, S)
+        options, method = self.options, self.options.method
+        if isinstance(method, Sampling):  # a seed per batch, from its first line's place in
+            # the input: the draws depend on neither --workers nor how the input was chunked
+            seed = hash((method.seed, self.first_line + batch[0])) & SEED_MASK
+            options = replace(options, method=replace(method, seed=seed))
+        with matmul_backend(self.matmul):
+            return decode(self.model, tokens, pad_mask, options)
+
+
+def translate_lines(
+    model: Seq2Seq,
+    tokenizer: Tokenizer,
+    lines: Sequence[str],
+    options: SearchOptions,
+    *,
+    batch_tokens: int,
+    device: torch.device | str = "cpu",
+    workers: int = 1,
+    prefix: Sequence[int] = (),
+) -> list[str]:
+    """The best translation of each line as text; exactly one output per input, in order."""
+    assert options.n_best == 1, "translate_lines gives one translation per line"
+    n1 = replace(options, attention=None, scores=False)
+    found = translate(
+        model, tokenizer, lines, n1, batch_tokens=batch_tokens, device=device, workers=workers,
+        prefix=prefix,
+    )  # fmt: skip
+    return [t[0].text for t in found]
+
+
+def for_decoding(model: Seq2Seq, precision: str) -> Seq2Seq:
+    """The model, in place, with its weights and buffers in `precision` for translation: the
+    16-bit formats halve the weights' memory traffic and run on the hardware's 16-bit matmuls
+    (GPU tensor cores, AMX); int8 (CPU) swaps the matmuls for 8-bit ones (kernels.int8); all
+    at the cost of outputs that may differ from fp32 here and there. Search sums its scores in
+    fp32 whatever the model computes in."""
+    if precision == "int8":
+        return cast(Seq2Seq, quantize_int8(model.float()))
+    return model.to(PRECISION_DTYPES[precision])
+
+
+def format_results(results: list[list[Translation]], n_best: int, first: int) -> str:
+    """Output lines: the 1-best of each input, or its n-best list numbered from `first`."""
+    if n_best == 1:
+        return "".join(r[0].text + "\n" for r in results)
+    return "".join(
+        f"{first + i} ||| {t.text} ||| {t.score:.4f}\n" for i, r in enumerate(results) for t in r
+    )
+
+
+@dataclass
+class Scores:
+    bleu: float
+    chrf: float
+    bleu_signature: str
+    chrf_signature: str
+    bleu_detail: str
+    ter: float | None = None  # when asked for (score(..., ter=True))
+    ter_signature: str = ""
+
+    def as_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "bleu": round(self.bleu, 2),
+            "chrf": round(self.chrf, 2),
+            "bleu_signature": self.bleu_signature,
+            "chrf_signature": self.chrf_signature,
+            "bleu_detail": self.bleu_detail,
+        }
+        if self.ter is not None:
+            out |= {"ter": round(self.ter, 2), "ter_signature": self.ter_signature}
+        return out
+
+
+def score(
+    hypotheses: Sequence[str],
+    references: Sequence[str],
+    more_references: Sequence[Sequence[str]] = (),
+    ter: bool = False,
+    lowercase: bool = False,
+) -> Scores:
+    """Corpus BLEU and chrF (sacreBLEU defaults: 13a tokenization, mixed case; `lowercase`:
+    case-insensitive, sacreBLEU's -lc), and TER if asked, against one or more references per
+    line (`more_references`: further sets)."""
+    if not hypotheses:
+        raise DataError("nothing to score: no lines")
+    hyps, refs = list(hypotheses), [list(references), *map(list, more_references)]
+    bleu = sacrebleu.metrics.BLEU(lowercase=lowercase)
+    chrf = sacrebleu.metrics.CHRF(lowercase=lowercase)
+    b, c = bleu.corpus_score(hyps, refs), chrf.corpus_score(hyps, refs)
+    found = Scores(b.score, c.score, str(bleu.get_signature()), str(chrf.get_signature()), str(b))
+    if ter:
+        metric = sacrebleu.metrics.TER(case_sensitive=not lowercase)
+        found.ter = metric.corpus_score(hyps, refs).score
+        found.ter_signature = str(metric.get_signature())
+    return found
+
+
+def score_translations(
+    translate: Callable[[list[str]], list[str]], sources: list[str], references: list[str]
+) -> tuple[Scores, list[str]]:
+    """Translate a test set's sources and score them against its references: what `attnmt
+    eval --model` and the end of training's `test` event both do, so one test set gives one
+    score. Every line counts, an empty one too (its translation is empty)."""
+    if len(sources) != len(references):
+        raise DataError(
+            f"line counts differ: {len(sources)} source lines, {len(references)} references"
+        )
+    hypotheses = translate(sources)
+    return score(hypotheses, references), hypotheses

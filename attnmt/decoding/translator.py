@@ -1,0 +1,371 @@
+"""The Python API: a trained model directory loaded once, translating lists and streams.
+
+    from attnmt import Translator
+    translator = Translator.load("runs/m30k_transformer")
+    translator.translate(["Ein Mann fährt Fahrrad."], beam=5)   # -> ["A man rides a bike."]
+
+It is what `attnmt translate`, `attnmt eval` and `attnmt serve` run: the same loading checks
+(safetensors with checksums, no unpickling), the same search and the same worker policy, so it
+gives exactly the CLI's lines.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from attnmt.config import Config
+from attnmt.data.text import CHUNK_LINES, input_chunks
+from attnmt.data.tokenizer import Tokenizer
+from attnmt.decoding.ensemble import Ensemble
+from attnmt.decoding.forced import ForcedScore, attention_maps, score_pairs
+from attnmt.decoding.search import SearchOptions, search_options
+from attnmt.decoding.translate import Scores, Translation, for_decoding, score, score_translations
+from attnmt.decoding.translate import translate as run_search
+from attnmt.device import (
+    DECODE_PRECISIONS,
+    DEVICES,
+    MATMUL_BACKENDS,
+    choices,
+    limit_onednn_kernel_cache,
+    missing_hardware,
+    resolve_device,
+)
+from attnmt.errors import AttnmtError
+from attnmt.kernels import matmul_backend
+from attnmt.kernels.matmul import resolve
+from attnmt.models.directory import BEST_FILE, LAST_FILE, load_model_dir
+from attnmt.models.seq2seq import AttentionSpec, Seq2Seq
+
+
+@dataclass
+class Translator:
+    """A model ready to translate with, the CPU matmul backend it runs under, and how many
+    batches it searches at once."""
+
+    cfg: Config
+    tokenizer: Tokenizer
+    model: Seq2Seq
+    device: torch.device
+    matmul: str  # blas or onednn
+    workers: int = 1  # batches searched at once (CPU only)
+    members: tuple[Config, ...] = ()  # an ensemble's configs, the first being cfg
+    precision: str = "fp32"  # what the model computes in: fp32, bf16, fp16 or int8
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: str | Path | Sequence[str | Path],
+        device: str = "auto",
+        weights: str = "best",
+        precision: str | None = None,
+        matmul: str | None = None,
+        workers: int | None = None,
+    ) -> Translator:
+        """Load a model directory, or several as an ensemble (the mean of their log-
+        probabilities at each step; they must share their SentencePiece models; the first
+        one's decode section applies): `weights` best, last, averaged, step-N or a path;
+        device auto, cpu or cuda; precision fp32, bf16, fp16 or int8 (CPU) (default
+        decode.precision);
+        matmul auto, blas or onednn (default decode.matmul); workers: batches searched at once
+        (default decode.workers; CPU only). Notes go to stderr."""
+        dirs = (
+            [Path(model_dir)] if isinstance(model_dir, str | Path) else list(map(Path, model_dir))
+        )
+        if not dirs:
+            raise AttnmtError("no model directory given")
+        for flag, value, allowed, expected in (
+            ("--device", device, DEVICES, choices(DEVICES)),
+            ("--precision", precision, DECODE_PRECISIONS, choices(DECODE_PRECISIONS)),
+            ("--matmul", matmul, MATMUL_BACKENDS, ", ".join(MATMUL_BACKENDS)),
+        ):
+            if value is not None and value not in allowed:
+                raise AttnmtError(f"{flag} {value!r}: expected {expected}")
+        dev = resolve_device(device)
+        _check_int8(precision, dev)
+        if workers is not None and workers > 1 and dev.type != "cpu":
+            raise AttnmtError(f"--workers {workers}: parallel batches are for CPU decoding only")
+        loaded = [load_model_dir(d, weights, dev) for d in dirs]
+        for d in dirs:
+            if weights == "best" and not (d / BEST_FILE).is_file():
+                _note(f"{d} has no {BEST_FILE} yet; using {LAST_FILE}")
+        cfg, tokenizer, net = loaded[0]
+        for d, (other_cfg, other, _) in zip(dirs[1:], loaded[1:], strict=True):
+            _check_same_tokenizer(dirs[0], tokenizer, d, other)
+            if other_cfg.data.target_langs != cfg.data.target_langs:
+                raise AttnmtError(
+                    f"an ensemble translates into one set of languages: {dirs[0]} into "
+                    f"{cfg.data.target_langs}, {d} into {other_cfg.data.target_langs}"
+                )
+        if len(loaded) > 1:
+            net = Ensemble([m for _, _, m in loaded])
+        precision = precision or cfg.decode.precision
+        _check_int8(precision, dev)  # the config's choice, too
+        backend = resolve(matmul or cfg.decode.matmul)
+        limit_onednn_kernel_cache(dev, precision, backend)  # as training does
+        if (lacking := missing_hardware(dev, precision)) is not None:
+            _note(f"{lacking}; {precision} decoding is emulated and may be slower than fp32")
+        # More than one worker only on the CPU: threads share a GPU's stream for nothing.
+        n_workers = (workers or cfg.decode.workers) if dev.type == "cpu" else 1
+        members = tuple(c for c, _, _ in loaded)
+        net = for_decoding(net, precision)
+        return cls(cfg, tokenizer, net, dev, backend, n_workers, members, precision)
+
+    def translate(
+        self,
+        lines: Sequence[str],
+        beam: int | None = None,
+        length_penalty: float | None = None,
+        batch_tokens: int | None = None,
+        workers: int | None = None,
+        target_lang: str | None = None,
+    ) -> list[str]:
+        """The best translation of each line, in order (beam: default decode.beam; 1 is
+        greedy), into target_lang (a multilingual model needs it). An empty line gives an
+        empty translation."""
+        found = self.hypotheses(
+            lines, beam, 1, length_penalty, batch_tokens, workers, target_lang=target_lang
+        )
+        return [h[0].text for h in found]
+
+    def hypotheses(
+        self,
+        lines: Sequence[str],
+        beam: int | None = None,
+        n_best: int = 1,
+        length_penalty: float | None = None,
+        batch_tokens: int | None = None,
+        workers: int | None = None,
+        sampling: tuple[float, int, int] | None = None,
+        target_lang: str | None = None,
+    ) -> list[list[Translation]]:
+        """The n_best translations of each line with their scores (Translation.text, .score);
+        `sampling` = (temperature, top_k, seed) draws n_best instead of searching."""
+        options = self.options(beam, n_best, length_penalty, sampling=sampling)
+        return self.search(lines, options, batch_tokens, workers, target_lang=target_lang)
+
+    def options(
+        self,
+        beam: int | None = None,
+        n_best: int = 1,
+        length_penalty: float | None = None,
+        attention: AttentionSpec | None = None,
+        sampling: tuple[float, int, int] | None = None,
+    ) -> SearchOptions:
+        """SearchOptions from the model's decode section and these overrides; n_best above
+        the beam is refused (sampling draws any number)."""
+        beam = self.cfg.decode.beam if beam is None else beam
+        _check_int("beam", beam, 1, 100)
+        _check_int("n_best", n_best, 1, 1000)
+        if length_penalty is not None:
+            _check_number("length_penalty", length_penalty, 0.0, 10.0)
+        if sampling is not None:
+            temperature, top_k, seed = sampling
+            _check_number("temperature", temperature, 0.01, 100.0)
+            _check_int("top_k", top_k, 0, 1 << 30)
+            _check_int("seed", seed, 0, (1 << 63) - 1)
+        if n_best > beam and sampling is None:
+            raise AttnmtError(f"n_best {n_best} exceeds the beam size {beam}; raise the beam")
+        return search_options(
+            self.cfg.decode, beam=beam, length_penalty=length_penalty, n_best=n_best,
+            attention=attention, sampling=sampling,
+        )  # fmt: skip
+
+    def attention_spec(self, layer: int = -1, head: int | None = None) -> AttentionSpec:
+        """Which attention to return with each hypothesis, checked against the model: a
+        Transformer's decoder layer (-1: the top) and head (None: the mean of heads); the rnn
+        model has one attention, whatever they say."""
+        for m in (c.model for c in self.members or (self.cfg,)):  # an ensemble: every model
+            if m.arch != "transformer":
+                continue
+            if not -m.dec_layers <= layer < m.dec_layers:
+                raise AttnmtError(
+                    f"--attention-layer {layer}: the decoder has {m.dec_layers} layers"
+                )
+            if head is not None and not 0 <= head < m.heads:
+                raise AttnmtError(f"--attention-head {head}: the model has {m.heads} heads")
+        return AttentionSpec(layer, head)
+
+    @property
+    def target_langs(self) -> list[str]:
+        """The languages the model translates into, as its training corpora name them (none
+        named: empty); a multilingual model has several."""
+        return self.cfg.data.target_langs
+
+    def source_prefix(self, target_lang: str | None) -> list[int]:
+        """The ids before every source: a multilingual model's tag of `target_lang`, which it
+        needs; nothing for a bilingual model (which takes its own target language, or none)."""
+        langs = self.target_langs
+        if target_lang is not None and langs and target_lang not in langs:
+            raise AttnmtError(
+                f"--target-lang {target_lang!r}: this model translates into {', '.join(langs)}"
+            )
+        if not self.cfg.data.multilingual:
+            return []
+        if target_lang is None:
+            raise AttnmtError(
+                f"a multilingual model: give --target-lang ({', '.join(langs)}; in the API "
+                'target_lang=, over HTTP "target_lang")'
+            )
+        tag = self.tokenizer.tag_id(target_lang)
+        assert tag is not None, "training put every target language's tag in the tokenizer"
+        return [tag]
+
+    def search(
+        self,
+        lines: Sequence[str],
+        options: SearchOptions,
+        batch_tokens: int | None = None,
+        workers: int | None = None,
+        first_line: int = 0,
+        target_lang: str | None = None,
+    ) -> list[list[Translation]]:
+        """Search (or sample) with `options` over lines: what the other methods call.
+        `first_line`: the number of lines before these in a longer input (sampling seeds);
+        `target_lang`: the language to translate into (a multilingual model needs it)."""
+        if isinstance(lines, str) or not isinstance(lines, Sequence):
+            raise AttnmtError("lines: expected a list of sentences (one str: wrap it in a list)")
+        for i, line in enumerate(lines):
+            if not isinstance(line, str):
+                raise AttnmtError(f"lines[{i}]: expected a str, not {type(line).__name__}")
+        if batch_tokens is not None:
+            _check_int("batch_tokens", batch_tokens, 1, 1 << 40)
+        if workers is not None:
+            _check_int("workers", workers, 1, 64)
+        prefix = self.source_prefix(target_lang)
+        return run_search(
+            self.model, self.tokenizer, list(lines), options,
+            batch_tokens=batch_tokens or self.cfg.decode.batch_tokens, device=self.device,
+            workers=workers or self.workers, first_line=first_line, matmul=self.matmul,
+            prefix=prefix,
+        )  # fmt: skip
+
+    def stream(
+        self,
+        source: Path | Iterable[str] | None,
+        options: SearchOptions,
+        batch_tokens: int | None = None,
+        workers: int | None = None,
+        target_lang: str | None = None,
+    ) -> Iterator[tuple[list[str], list[list[Translation]]]]:
+        """Translate a stream chunk by chunk, yielding each chunk's lines and their results as
+        soon as they are done: memory stays bounded whatever the input's length.
+
+        `source`: a file (plain or .gz), a pipe or FIFO, or None for standard input (from a
+        pipe or a terminal, a chunk ends when no more input is waiting, so a line sent alone
+        is answered at once: data.input_chunks); or any iterable of lines, taken CHUNK_LINES
+        at a time."""
+        if source is None or isinstance(source, (str, Path)):
+            chunks: Iterable[list[str]] = input_chunks(None if source is None else Path(source))
+        else:
+            lines = iter(source)
+            chunks = iter(lambda: list(itertools.islice(lines, CHUNK_LINES)), [])
+        self.source_prefix(target_lang)  # a missing or unknown language fails before reading
+        done = 0  # lines translated so far
+        for chunk in chunks:
+            found = self.search(chunk, options, batch_tokens, workers, done, target_lang)
+            yield chunk, found
+            done += len(chunk)
+
+    def score_pairs(
+        self,
+        sources: Sequence[str],
+        targets: Sequence[str],
+        batch_tokens: int | None = None,
+        target_lang: str | None = None,
+    ) -> list[ForcedScore]:
+        """How likely the model finds each target as the translation of its source (forced
+        decoding): ForcedScore.log_prob (natural log, EOS included), .pieces, .per_piece."""
+        _check_strs("sources", sources)
+        _check_strs("targets", targets)
+        with matmul_backend(self.matmul):
+            return score_pairs(
+                self.model, self.tokenizer, sources, targets, device=self.device,
+                batch_tokens=batch_tokens or self.cfg.decode.batch_tokens,
+                prefix=self.source_prefix(target_lang),
+            )  # fmt: skip
+
+    def attention_maps(self, found: Translation) -> torch.Tensor:
+        """The source attention of a translation `found` (from search), for every
+        decoder layer and head of a Transformer, or the GRU model's (an ensemble: the mean of
+        its models' top-layer, head-averaged): (layers, heads, target pieces, source pieces),
+        EOS included on both sides, each row summing to 1."""
+        m = self.cfg.model
+        specs = [AttentionSpec()]
+        if m.arch == "transformer" and len(self.members) <= 1:
+            specs = [AttentionSpec(layer, None, all_heads=True) for layer in range(m.dec_layers)]
+        if not found.tgt_pieces:  # an empty line: nothing was decoded
+            return torch.zeros(len(specs), 1, 0, len(found.src_pieces))
+        # The pieces the search read and wrote (tag and EOS included), back to their ids.
+        src = [self.tokenizer.src.sp.piece_to_id(p) for p in found.src_pieces]
+        tgt = [self.tokenizer.tgt.sp.piece_to_id(p) for p in found.tgt_pieces]
+        with matmul_backend(self.matmul):
+            return attention_maps(self.model, src, tgt, specs, self.device)
+
+    def score_test_set(
+        self,
+        sources: list[str],
+        references: list[str],
+        beam: int | None = None,
+        target_lang: str | None = None,
+    ) -> tuple[Scores, list[str]]:
+        """Translate a test set (data.read_test_set) and score it with sacreBLEU (BLEU, chrF):
+        every line counts, as in the `test` event at the end of training. Returns the scores
+        and the translations."""
+        return score_translations(
+            lambda s: self.translate(s, beam=beam, target_lang=target_lang), sources, references
+        )
+
+    @staticmethod
+    def score(hypotheses: Sequence[str], references: Sequence[str]) -> Scores:
+        """Corpus BLEU and chrF with sacreBLEU (.bleu, .chrf, .bleu_signature, .as_dict())."""
+        _check_strs("hypotheses", hypotheses)
+        _check_strs("references", references)
+        if len(hypotheses) != len(references):
+            raise AttnmtError(f"{len(hypotheses)} hypotheses but {len(references)} references")
+        return score(hypotheses, references)
+
+
+def _check_same_tokenizer(dir_a: Path, a: Tokenizer, dir_b: Path, b: Tokenizer) -> None:
+    """An ensemble's models read and write the same pieces: the same SentencePiece files."""
+    files_a, files_b = a.files(), b.files()
+    for name in sorted(set(files_a) | set(files_b)):
+        if files_a.get(name) != files_b.get(name):
+            other = name if name in files_b else next(iter(files_b))
+            raise AttnmtError(
+                f"an ensemble needs one vocabulary: {dir_a / name} and {dir_b / other} are "
+                "different SentencePiece models"
+            )
+
+
+def _check_strs(name: str, given: object) -> None:
+    if isinstance(given, str) or not all(isinstance(x, str) for x in given):  # type: ignore[attr-defined]
+        raise AttnmtError(f"{name}: expected a list of str")
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> None:
+    """The API's arguments are checked as the CLI's options are: one clear error."""
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise AttnmtError(f"{name} {value!r}: expected an integer from {low} to {high}")
+
+
+def _check_number(name: str, value: object, low: float, high: float) -> None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or not low <= value <= high:  # type: ignore[arg-type]
+        raise AttnmtError(f"{name} {value!r}: expected a number from {low:g} to {high:g}")
+
+
+def _check_int8(precision: str | None, device: torch.device) -> None:
+    """Refuse int8 off the CPU: the quantized kernels are CPU ones."""
+    if precision == "int8" and device.type != "cpu":
+        raise AttnmtError("--precision int8: int8 decoding is for the CPU (use bf16 or fp16)")
+
+
+def _note(text: str) -> None:
+    print(f"attnmt: note: {text}", file=sys.stderr)

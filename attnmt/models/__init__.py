@@ -1,0 +1,3 @@
+"""Models: the Seq2Seq interface, attention, the GRU and Transformer architectures, building one
+from its config, and the model directory on disk. Imports data, kernels and the ground floor.
+"""

@@ -1,0 +1,347 @@
+"""Transformer encoder-decoder (Vaswani et al. 2017, https://arxiv.org/abs/1706.03762).
+
+Sinusoidal positions, our MultiHeadAttention, position-wise feed-forward, residual + LayerNorm
+(pre-norm: x + Sublayer(LN(x)), or post-norm: LN(x + Sublayer(x))). Decoding one position at a
+time keeps each layer's self-attention keys/values in the state, and the encoder output is
+projected into cross-attention keys/values once per sentence, so a step costs one position.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from attnmt.config import ModelConfig
+from attnmt.data.batches import Batch
+from attnmt.data.tokenizer import PAD_ID
+from attnmt.kernels import Dropout, Linear, dropout_add, feed_forward, linear_cross_entropy
+from attnmt.models.attention import MultiHeadAttention, additive_mask
+from attnmt.models.seq2seq import AttentionSpec, Seq2Seq, gold_coins
+
+
+def sinusoid_table(length: int, dim: int, offset: int = 0) -> torch.Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...), for pos in
+    [offset, offset + length): (length, dim). Computed on demand, so any length works."""
+    pos = torch.arange(offset, offset + length, dtype=torch.float32).unsqueeze(1)  # (L, 1)
+    div = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10000.0) / dim))
+    table = torch.zeros(length, dim)
+    table[:, 0::2] = torch.sin(pos * div)  # (L, ceil(d/2))
+    table[:, 1::2] = torch.cos(pos * div)[:, : dim // 2]  # (L, floor(d/2))
+    return table
+
+
+class Embeddings(nn.Module):
+    """Token embedding × sqrt(d) + sinusoidal position, then dropout (sec. 3.4, 3.5)."""
+
+    def __init__(self, embed: nn.Embedding, dropout: float) -> None:
+        super().__init__()
+        self.embed = embed
+        self.scale = math.sqrt(embed.embedding_dim)
+        self.dropout = Dropout(dropout, inplace=True)  # on a sum autograd does not keep
+        self.register_buffer("pe", sinusoid_table(512, embed.embedding_dim), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """tokens (B, T) at positions offset..offset+T-1 -> (B, T, d)."""
+        T = tokens.size(1)
+        if offset + T > self.pe.size(0):
+            pe = sinusoid_table(offset + T, self.pe.size(1)).to(self.pe.device, self.pe.dtype)
+        else:
+            pe = self.pe
+        x = self.embed(tokens) * self.scale + pe[offset : offset + T]  # (B, T, d)
+        return self.dropout(x)
+
+
+class FeedForward(nn.Module):
+    """FFN(x) = W_2 dropout(ReLU(W_1 x)) (sec. 3.3)."""
+
+    def __init__(self, d_model: int, ff_size: int, dropout: float) -> None:
+        super().__init__()
+        self.w_1 = Linear(d_model, ff_size)
+        self.w_2 = Linear(ff_size, d_model)
+        self.p = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., d) -> (..., d)."""
+        return feed_forward(x, self.w_1, self.w_2, self.p, self.training)
+
+
+class Residual(nn.Module):
+    """Residual connection around a sublayer with LayerNorm before (pre) or after (post) it."""
+
+    def __init__(self, d_model: int, dropout: float, pre_norm: bool) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model)
+        self.p = dropout
+        self.pre_norm = pre_norm
+
+    def normed_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What the sublayer sees."""
+        return self.norm(x) if self.pre_norm else x
+
+    def add(self, x: torch.Tensor, sublayer_out: torch.Tensor) -> torch.Tensor:
+        """Add the sublayer's output back onto the residual stream."""
+        y = dropout_add(x, sublayer_out, self.p, self.training)  # x + dropout(sublayer_out)
+        return y if self.pre_norm else self.norm(y)
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, pre = cfg.hidden_size, cfg.norm == "pre"
+        self.self_attn = MultiHeadAttention(d, cfg.heads, dropout=cfg.attention_dropout)
+        self.ff = FeedForward(d, cfg.ff_size, cfg.dropout)
+        self.res_attn = Residual(d, cfg.dropout, pre)
+        self.res_ff = Residual(d, cfg.dropout, pre)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x (B, S, d), mask additive (B, 1, 1, S) -> (B, S, d)."""
+        h = self.res_attn.normed_input(x)
+        k, v = self.self_attn.project_kv(h, h)  # (B, h, S, d_h)
+        x = self.res_attn.add(x, self.self_attn.attend(h, k, v, mask)[0])
+        return self.res_ff.add(x, self.ff(self.res_ff.normed_input(x)))
+
+
+@dataclass
+class LayerCache:
+    self_k: torch.Tensor  # (B, h, t, d_h) keys of the positions decoded so far
+    self_v: torch.Tensor  # (B, h, t, d_h)
+
+
+def append_position(
+    cache: torch.Tensor, new: torch.Tensor, rows: torch.Tensor | None
+) -> torch.Tensor:
+    """torch.cat([cache[rows], new], dim=2) in one pass over the cache: cache (B, h, t, d),
+    rows (N,) or None for all in order, new (N, h, 1, d) -> (N, h, t + 1, d).
+
+    Beam search reorders the cached beams every step; copying them in the new order straight
+    into the grown cache reads and writes them once instead of twice (index_select, then cat).
+    """
+    if rows is None:
+        return torch.cat([cache, new], dim=2)
+    _, h, t, d = cache.shape
+    out = cache.new_empty(rows.numel(), h, t + 1, d)
+    torch.index_select(cache, 0, rows, out=out[:, :, :t])
+    out[:, :, t:] = new
+    return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, pre = cfg.hidden_size, cfg.norm == "pre"
+        self.self_attn = MultiHeadAttention(d, cfg.heads, dropout=cfg.attention_dropout)
+        self.cross_attn = MultiHeadAttention(d, cfg.heads, dropout=cfg.attention_dropout)
+        self.ff = FeedForward(d, cfg.ff_size, cfg.dropout)
+        self.res_self = Residual(d, cfg.dropout, pre)
+        self.res_cross = Residual(d, cfg.dropout, pre)
+        self.res_ff = Residual(d, cfg.dropout, pre)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cross_k: torch.Tensor,
+        cross_v: torch.Tensor,
+        src_mask: torch.Tensor,
+        need_weights: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """All target positions at once (training): x (B, T, d) -> (B, T, d), causal."""
+        h = self.res_self.normed_input(x)
+        k, v = self.self_attn.project_kv(h, h)  # (B, h, T, d_h)
+        x = self.res_self.add(x, self.self_attn.attend(h, k, v, causal=True)[0])
+        h = self.res_cross.normed_input(x)
+        out, weights = self.cross_attn.attend(
+            h, cross_k, cross_v, src_mask, need_weights=need_weights
+        )
+        x = self.res_cross.add(x, out)
+        return self.res_ff.add(x, self.ff(self.res_ff.normed_input(x))), weights
+
+    def step(
+        self,
+        x: torch.Tensor,
+        cache: LayerCache,
+        cross_k: torch.Tensor,
+        cross_v: torch.Tensor,
+        src_mask: torch.Tensor,
+        need_weights: bool = False,
+        rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, LayerCache, torch.Tensor | None]:
+        """One new position: x (N, 1, d) -> (N, 1, d), the grown cache, and (if asked) the
+        per-head cross-attention weights (N, h, 1, S). N = G * B for cross_k of B rows:
+        each group of G consecutive rows (a sentence's beams) shares one memory row.
+        rows (N,): the cache rows that the N rows of x continue (None: all, in order)."""
+        h = self.res_self.normed_input(x)
+        k_new, v_new = self.self_attn.project_kv(h, h)  # (N, h, 1, d_h)
+        k = append_position(cache.self_k, k_new, rows)  # (N, h, t+1, d_h)
+        v = append_position(cache.self_v, v_new, rows)  # (N, h, t+1, d_h)
+        # The newest position may see every cached one: no causal mask needed.
+        x = self.res_self.add(x, self.self_attn.attend(h, k, v)[0])
+        h = self.res_cross.normed_input(x)
+        N, _, d = h.shape
+        B = cross_k.size(0)
+        # A group's G queries attend together as G query positions of its memory row.
+        out, weights = self.cross_attn.attend(
+            h.view(B, N // B, d),
+            cross_k,
+            cross_v,
+            src_mask,
+            need_weights=need_weights,
+            average_attn_weights=False,
+        )  # (B, G, d), (B, h, G, S); fmt: skip
+        x = self.res_cross.add(x, out.view(N, 1, d))
+        if weights is not None:
+            weights = weights.transpose(1, 2).reshape(N, -1, 1, weights.size(-1))  # (N, h, 1, S)
+        x = self.res_ff.add(x, self.ff(self.res_ff.normed_input(x)))
+        return x, LayerCache(k, v), weights
+
+
+@dataclass
+class TransformerMemory:
+    src_mask: torch.Tensor  # (B, 1, 1, S) additive float mask, -inf at padding
+    # Per decoder layer, the encoder output projected into cross-attention keys and values,
+    # (B, h, S, d_h) each: computed once per sentence, used by every decoding step.
+    cross: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class TransformerState:
+    caches: list[LayerCache]
+    position: int  # number of target positions decoded so far
+    # The cache rows the state's rows continue, (N,), or None: all, in order. select_state
+    # only records them; the next step applies them as it appends its position.
+    rows: torch.Tensor | None = None
+
+
+class TransformerSeq2Seq(Seq2Seq):
+    """Encoder and decoder stacks; target embedding tied to the output projection (and to the
+    source embedding when the vocabulary is joint) when model.tie_embeddings is set."""
+
+    def __init__(self, cfg: ModelConfig, src_vocab: int, tgt_vocab: int, joint: bool) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.pre_norm = cfg.norm == "pre"
+        tgt_embed = nn.Embedding(tgt_vocab, d, padding_idx=self.pad_id)
+        share_src = joint and cfg.tie_embeddings
+        src_embed = tgt_embed if share_src else nn.Embedding(src_vocab, d, self.pad_id)
+        self.src_embed = Embeddings(src_embed, cfg.dropout)
+        self.tgt_embed = Embeddings(tgt_embed, cfg.dropout)
+        self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.enc_layers))
+        self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.dec_layers))
+        # Pre-norm stacks end with a LayerNorm: the residual stream itself is never normalised.
+        self.enc_norm = nn.LayerNorm(d) if self.pre_norm else nn.Identity()
+        self.dec_norm = nn.LayerNorm(d) if self.pre_norm else nn.Identity()
+        self.output = Linear(d, tgt_vocab, bias=False)
+        self._init_weights(d)
+        if cfg.tie_embeddings:
+            self.output.weight = tgt_embed.weight
+
+    def _init_weights(self, d: int) -> None:
+        for name, p in self.named_parameters():
+            if "embed" in name:
+                # Embeddings are scaled by sqrt(d) on input; N(0, d^-1/2) keeps that at unit size.
+                nn.init.normal_(p, mean=0.0, std=d**-0.5)
+            elif p.dim() > 1:
+                nn.init.xavier_uniform_(p)
+        with torch.no_grad():
+            self.src_embed.embed.weight[self.pad_id].zero_()
+            self.tgt_embed.embed.weight[self.pad_id].zero_()
+
+    # --- the seq2seq interface ---
+
+    def encode(self, src: torch.Tensor, src_pad_mask: torch.Tensor) -> TransformerMemory:
+        x = self.src_embed(src)  # (B, S, d)
+        mask = additive_mask(src_pad_mask, None, x.dtype)  # (B, 1, 1, S)
+        assert mask is not None
+        for layer in self.encoder_layers:
+            x = layer(x, mask)
+        x = self.enc_norm(x)
+        # Decoding needs the encoder output only as these keys and values.
+        cross = [layer.cross_attn.project_kv(x, x) for layer in self.decoder_layers]
+        return TransformerMemory(mask, cross)
+
+    def decode_hidden(
+        self, memory: TransformerMemory, tgt_in: torch.Tensor, need_weights: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every position of tgt_in (B, T) at once, up to the output projection: (B, T, d),
+        and the last layer's cross-attention weights if asked for."""
+        x = self.tgt_embed(tgt_in)  # (B, T, d)
+        weights = None
+        for layer, (k, v) in zip(self.decoder_layers, memory.cross, strict=True):
+            x, weights = layer(x, k, v, memory.src_mask, need_weights=need_weights)
+        return self.dec_norm(x), weights
+
+    def decode_all(
+        self, memory: TransformerMemory, tgt_in: torch.Tensor, need_weights: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits for every position of tgt_in (B, T) at once: (B, T, V), last cross weights."""
+        h, weights = self.decode_hidden(memory, tgt_in, need_weights)
+        return self.output(h), weights  # (B, T, V)
+
+    def init_state(self, memory: TransformerMemory) -> TransformerState:
+        k = memory.cross[0][0]
+        empty = k.new_zeros(k.size(0), k.size(1), 0, k.size(3))  # (B, h, 0, d_h)
+        return TransformerState([LayerCache(empty, empty) for _ in self.decoder_layers], 0)
+
+    def decode_step(
+        self,
+        memory: TransformerMemory,
+        state: TransformerState,
+        prev_tokens: torch.Tensor,
+        attention: AttentionSpec | None = None,
+    ) -> tuple[torch.Tensor, TransformerState, torch.Tensor | None]:
+        x = self.tgt_embed(prev_tokens.unsqueeze(1), offset=state.position)  # (B, 1, d)
+        n_layers = len(self.decoder_layers)
+        want = attention.layer % n_layers if attention is not None else -1
+        caches, attn = [], None
+        for i, (layer, cache, (k, v)) in enumerate(
+            zip(self.decoder_layers, state.caches, memory.cross, strict=True)
+        ):
+            x, cache, weights = layer.step(
+                x, cache, k, v, memory.src_mask, need_weights=i == want, rows=state.rows
+            )
+            caches.append(cache)
+            if weights is not None:
+                assert attention is not None
+                w = weights.squeeze(2)  # (B, h, S)
+                if attention.all_heads:
+                    attn = w  # (B, h, S)
+                else:
+                    attn = w.mean(dim=1) if attention.head is None else w[:, attention.head]
+        logits = self.output(self.dec_norm(x)).squeeze(1)  # (B, V)
+        return logits, TransformerState(caches, state.position + 1), attn
+
+    def select_memory(self, memory: TransformerMemory, index: torch.Tensor) -> TransformerMemory:
+        return TransformerMemory(
+            memory.src_mask.index_select(0, index),
+            [(k.index_select(0, index), v.index_select(0, index)) for k, v in memory.cross],
+        )
+
+    def select_state(self, state: TransformerState, index: torch.Tensor) -> TransformerState:
+        rows = index if state.rows is None else state.rows.index_select(0, index)
+        return TransformerState(state.caches, state.position, rows)
+
+    def loss(
+        self,
+        batch: Batch,
+        tf_ratio: float = 1.0,
+        label_smoothing: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        memory = self.encode(batch.src, batch.src_pad_mask)
+        tgt_in = batch.tgt_in  # (B, T)
+        if tf_ratio < 1.0:
+            # Two-pass scheduled sampling (Mihaylova & Martins 2019,
+            # https://arxiv.org/abs/1906.07651): a first pass on gold inputs predicts every
+            # position; the second pass takes, per position, the gold token with probability
+            # tf_ratio and the first pass's argmax otherwise. Both passes stay parallel.
+            with torch.no_grad():
+                first, _ = self.decode_all(memory, tgt_in)  # (B, T, V)
+            predicted = first.argmax(dim=-1)  # (B, T): prediction for position t+1's input
+            use_gold = gold_coins(tuple(tgt_in.shape), tf_ratio, generator, tgt_in.device)
+            use_gold[:, 0] = True  # BOS is always given
+            shifted = torch.cat([tgt_in[:, :1], predicted[:, :-1]], dim=1)  # (B, T)
+            tgt_in = torch.where(use_gold, tgt_in, shifted)
+        h, _ = self.decode_hidden(memory, tgt_in)  # (B, T, d)
+        return linear_cross_entropy(h, self.output.weight, batch.tgt_out, PAD_ID, label_smoothing)

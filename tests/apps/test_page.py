@@ -1,0 +1,135 @@
+"""attnmt serve's translation page in a real headless Chromium (selenium and chromedriver, from
+Debian's chromium and chromium-driver packages, which .ci/run installs), and the attention the
+JSON API returns for it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from attnmt import Translator
+from attnmt.apps.serve import Limits
+
+from helpers import cli_lines, start_server
+
+SENTENCE = "w1 w2 w3 w4"
+
+
+@pytest.fixture(scope="module")
+def server(trained) -> Iterator[str]:
+    translator = Translator.load(trained[0], device="cpu")
+    yield from start_server(translator, Limits(max_chars=60), "tiny")
+
+
+def test_the_api_returns_each_layer_and_heads_attention(server, trained, tmp_path, run_cli):
+    model, _ = trained
+    r = httpx.post(f"{server}/translate", json={"text": [SENTENCE], "attention": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    found = r.json()["attention"][0][0]
+    weights = torch.tensor(found["weights"])  # (layers, heads, T, S)
+    assert weights.shape == (1, 2, len(found["tgt_pieces"]), len(found["src_pieces"]))
+    assert found["src_pieces"][-1] == "</s>"
+    torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:-1]), atol=1e-3, rtol=0)
+    # The mean of the top layer's heads is what translate --attention writes for the line.
+    assert run_cli("translate", "-m", str(model), "--attention", str(tmp_path / "maps"),
+                   stdin=f"{SENTENCE}\n".encode()).code == 0  # fmt: skip
+    written = json.loads((tmp_path / "maps" / "000000.json").read_text())
+    assert written["target_pieces"] == found["tgt_pieces"]
+    torch.testing.assert_close(weights[-1].mean(0), torch.tensor(written["weights"]), atol=1e-3,
+                               rtol=0)  # fmt: skip
+    plain = httpx.post(f"{server}/translate", json={"text": [SENTENCE]}, timeout=60).json()
+    assert "attention" not in plain
+
+
+CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if CHROMIUM is None or DRIVER is None:
+        pytest.skip("no Chromium here: apt-get install chromium chromium-driver (as .ci/run does)")
+    from selenium import webdriver
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
+                "--window-size=1000,900"):  # fmt: skip
+        options.add_argument(arg)
+    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(DRIVER))
+    yield driver
+    driver.quit()
+
+
+def translate_on_the_page(browser, url: str, sentence: str) -> None:
+    """Open the page, type the sentence, press Enter (no mouse), wait for the answer."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(f"{url}/")
+    wait = WebDriverWait(browser, 60)
+    wait.until(lambda d: "(" in d.find_element(By.ID, "model").text)  # /health answered
+    box = browser.find_element(By.ID, "source")
+    box.clear()
+    box.send_keys(sentence, Keys.ENTER)
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#heatmap tbody td"))
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", "not a PNG"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_the_page_in_a_browser(server, trained, browser, run_cli, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    model, _ = trained
+    translate_on_the_page(browser, server, SENTENCE)
+    text = browser.find_element(By.ID, "translation").text
+    assert text == cli_lines(run_cli, model, [SENTENCE], "--beam", "5")[0]
+    assert not browser.find_element(By.ID, "lang").is_displayed()  # a bilingual model
+    hyps = browser.find_elements(By.CSS_SELECTOR, "#hypotheses li")
+    assert len(hyps) == 3 and hyps[0].find_element(By.TAG_NAME, "button").text == text
+
+    def cells() -> list[str]:
+        rows = browser.find_elements(By.CSS_SELECTOR, "#heatmap tbody tr")
+        cols = browser.find_elements(By.CSS_SELECTOR, "#heatmap thead th")
+        found = [c.text for c in browser.find_elements(By.CSS_SELECTOR, "#heatmap tbody td")]
+        assert len(found) == len(rows) * len(cols) > 0  # one cell per (target, source) piece
+        return found
+
+    mean = cells()
+    Select(browser.find_element(By.ID, "head")).select_by_value("1")
+    assert cells() != mean  # head 2 alone, not the mean of both
+    # Focusing an output piece (keyboard or mouse) marks the source pieces it looks at most.
+    browser.find_element(By.CSS_SELECTOR, "#heatmap tbody th button").click()
+    assert browser.find_elements(By.CSS_SELECTOR, "#heatmap thead th.hl")
+
+    shot = tmp_path / "page.png"
+    assert browser.save_screenshot(str(shot))
+    width, height = browser.execute_script(
+        "return [window.innerWidth * devicePixelRatio, window.innerHeight * devicePixelRatio]"
+    )
+    assert png_size(shot) == (int(width), int(height))
+
+    # 400 % zoom of a 1,280-pixel screen is 320 CSS pixels: the page reflows, only the heatmap
+    # scrolls (inside its own box).
+    browser.set_window_size(320, 900)
+    assert browser.execute_script(
+        "return document.documentElement.scrollWidth <= window.innerWidth"
+    ), "the page scrolls sideways at 320 CSS pixels"
+    box = browser.find_element(By.ID, "source")
+    box.clear()
+    box.send_keys("w1 " * 30 + "\n")  # 90 characters: over the server's 60 a line
+    WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, "error").text)
+    error = browser.find_element(By.ID, "error").text
+    assert error == "Error 413: text[0]: 90 characters; at most 60", error

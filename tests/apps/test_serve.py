@@ -1,0 +1,158 @@
+"""The Python API and `attnmt serve`: the CLI's lines, over a real HTTP client on loopback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from attnmt import Translator
+from attnmt.apps.serve import Limits
+from attnmt.errors import AttnmtError
+
+from conftest import make_pairs
+from helpers import cli_lines, free_port, start_server, wait_healthy
+
+LINES = make_pairs(40, 7)[0]
+
+
+def test_translator_gives_the_cli_lines(trained, run_cli):
+    model, corpus = trained
+    translator = Translator.load(model, device="cpu")
+    for beam in (1, 3):
+        assert translator.translate(LINES, beam=beam) == cli_lines(
+            run_cli, model, LINES, "--beam", str(beam)
+        )
+    nbest = translator.hypotheses(LINES[:3], beam=3, n_best=2)
+    assert [len(h) for h in nbest] == [2, 2, 2]
+    assert [h[0].text for h in nbest] == translator.translate(LINES[:3], beam=3)
+    refs = corpus["dev_tgt"].read_text().splitlines()
+    scores = Translator.score(refs, refs)
+    assert scores.bleu == pytest.approx(100.0) and scores.bleu_signature.startswith("nrefs:1")
+    with pytest.raises(AttnmtError, match="2 hypotheses but 1 references"):
+        Translator.score(["a", "b"], ["a"])
+
+
+@pytest.mark.parametrize("copies", [1, 2])  # 2: an ensemble of the model with itself
+def test_serve_answers_the_cli_lines_to_20_concurrent_clients(trained, run_cli, copies):
+    model, _ = trained
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "attnmt", "serve", *["-m", str(model)] * copies, "--port",
+         str(port), "--device", "cpu"],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        expected = cli_lines(run_cli, model, LINES, "--beam", "2")
+
+        def client(i: int) -> list[str]:
+            mine = LINES[2 * i : 2 * i + 2]
+            r = httpx.post(f"{url}/translate", json={"text": mine, "beam": 2}, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()["translations"]
+
+        with ThreadPoolExecutor(20) as pool:
+            answers = list(pool.map(client, range(20)))
+        assert [line for a in answers for line in a] == expected
+        assert httpx.get(f"{url}/docs").status_code == 200
+        health = httpx.get(f"{url}/health").json()
+        assert health["status"] == "ok" and 1 <= health["batches"] <= 20
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    # The access log: a line per request (client, method, path, status, lines, ms).
+    logged = [x for x in err.splitlines() if " POST /translate 200 2 lines " in x]
+    assert len(logged) == 20 and logged[0].startswith("attnmt: 127.0.0.1 ")
+    assert any(" GET /health 200 - lines " in x for x in err.splitlines())
+
+
+@pytest.fixture
+def server(trained):
+    """A server with small limits; yields the URL and the Translator (whose search a test may
+    make block)."""
+    translator = Translator.load(trained[0], device="cpu")
+    for url in start_server(translator, Limits(max_lines=4, max_chars=50, max_queue=1)):
+        yield url, translator
+
+
+def test_limits_and_bad_requests_get_json_errors(server):
+    url, _ = server
+    post = lambda body, **kw: httpx.post(f"{url}/translate", timeout=30, **({"json": body} | kw))  # noqa: E731
+    assert post({"text": ["w1"] * 5}).status_code == 413
+    r = post({"text": ["w1 " * 20]})
+    assert r.status_code == 413 and "at most 50" in r.json()["error"]
+    assert post({"text": ["w1"], "beam": 0}).status_code == 422
+    assert post({"text": "w1"}).status_code == 422
+    assert (
+        post(None, content=b"{not json", headers={"content-type": "application/json"}).status_code
+        == 422
+    )
+    assert post({"text": []}).json() == {"translations": []}
+    assert post({"text": ["w1 w2"]}).status_code == 200
+
+
+def test_a_full_queue_is_503_and_the_server_keeps_serving(server, monkeypatch):
+    url, translator = server
+    release = threading.Event()
+    real = translator.search
+
+    def slow(*args, **kw):
+        release.wait(30)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(translator, "search", slow)
+    with ThreadPoolExecutor(4) as pool:
+        first = pool.submit(httpx.post, f"{url}/translate", json={"text": ["w1"]}, timeout=60)
+        time.sleep(0.5)  # taken by the search thread, which now blocks
+        second = pool.submit(
+            httpx.post, f"{url}/translate", json={"text": ["w2"], "beam": 2}, timeout=60
+        )
+        time.sleep(0.5)  # waits in the queue (max_queue 1)
+        third = httpx.post(f"{url}/translate", json={"text": ["w3"]}, timeout=60)
+        assert third.status_code == 503 and "waiting" in third.json()["error"]
+        release.set()
+        assert first.result().status_code == 200 and second.result().status_code == 200
+
+
+def test_the_api_is_closed_and_errors_have_one_shape(server):
+    url, _ = server
+    r = httpx.post(f"{url}/translate", json={"text": ["w1"], "beam_size": 5}, timeout=30)
+    assert r.status_code == 422 and r.json() == {
+        "error": "beam_size: Extra inputs are not permitted"
+    }
+    r = httpx.post(f"{url}/translate", json={"text": ["w1"], "sampling": {"seed": 1, "k": 2}})
+    assert r.status_code == 422 and r.json()["error"].startswith("sampling.k: ")
+    r = httpx.post(f"{url}/translate", json={"text": ["w1"], "beam": 2, "n_best": 3})
+    assert r.status_code == 422 and "n_best 3 exceeds the beam size 2" in r.json()["error"]
+    r = httpx.post(f"{url}/translate", json={"text": ["w1"], "beam": 2, "sampling": {}})
+    assert r.status_code == 422 and "drop beam" in r.json()["error"]
+    for r, status in ((httpx.get(f"{url}/nowhere"), 404), (httpx.get(f"{url}/translate"), 405)):
+        assert r.status_code == status and set(r.json()) == {"error"}, r.text
+    schema = httpx.get(f"{url}/openapi.json").json()
+    fields = schema["paths"]["/translate"]["post"]["requestBody"]["content"]
+    assert fields["application/json"]["schema"]["additionalProperties"] is False
+
+
+def test_n_best_length_penalty_and_sampling_over_http_equal_the_cli(server, trained, run_cli):
+    url, _ = server
+    model, _ = trained
+    lines = LINES[:4]
+    post = lambda body: httpx.post(f"{url}/translate", json={"text": lines} | body, timeout=60)  # noqa: E731
+    r = post({"beam": 3, "n_best": 3, "length_penalty": 0.0})
+    assert r.status_code == 200, r.text
+    cli = cli_lines(run_cli, model, lines, "--beam", "3", "--n-best", "3", "--length-penalty", "0")
+    got = [f"{i} ||| {h['text']} ||| {h['score']:.4f}" for i, n in enumerate(r.json()["n_best"])
+           for h in n]  # fmt: skip
+    assert got == cli
+    assert r.json()["translations"] == [n[0]["text"] for n in r.json()["n_best"]]
+    r = post({"sampling": {"temperature": 1.5, "top_k": 5, "seed": 3}})
+    cli = cli_lines(run_cli, model, lines, "--sampling", "--temperature", "1.5", "--top-k", "5",
+                    "--seed", "3")  # fmt: skip
+    assert r.status_code == 200 and r.json() == {"translations": cli}

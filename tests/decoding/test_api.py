@@ -1,0 +1,79 @@
+"""attnmt.decoding.translator.Translator: what the CLI, serve and eval call (streams, workers,
+test sets)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+import attnmt.decoding.translate
+from attnmt import Translator
+from attnmt.config import from_dict
+from attnmt.errors import AttnmtError
+from attnmt.training.loop import train
+
+from conftest import make_pairs, tiny_config, write_lines
+
+LINES = make_pairs(30, 9)[0]
+
+
+def test_stream_gives_the_lines_of_translate_chunk_by_chunk(trained, tmp_path: Path):
+    model, _ = trained
+    translator = Translator.load(model, device="cpu")
+    options = translator.options(beam=2)
+    expected = translator.translate(LINES, beam=2)
+    from_file = translator.stream(write_lines(tmp_path / "in.txt", LINES), options)
+    from_lines = translator.stream(iter(LINES), options)
+    for found in (from_file, from_lines):
+        chunks = list(found)
+        assert [line for lines, _ in chunks for line in lines] == LINES
+        assert [r[0].text for _, results in chunks for r in results] == expected
+
+
+def test_workers_come_from_the_config_or_the_caller(trained, monkeypatch):
+    model, _ = trained
+    seen = []
+    real = attnmt.decoding.translate.map_batches
+    monkeypatch.setattr(
+        attnmt.decoding.translate,
+        "map_batches",
+        lambda job, b, workers, d: seen.append(workers) or real(job, b, workers, d),
+    )
+    one = Translator.load(model, device="cpu")
+    assert one.workers == one.cfg.decode.workers == 1
+    two = Translator.load(model, device="cpu", workers=2)
+    assert two.translate(LINES, batch_tokens=20) == one.translate(LINES, batch_tokens=20)
+    assert seen == [2, 1]
+
+
+def test_attention_spec_is_checked_against_the_model(trained):
+    translator = Translator.load(trained[0], device="cpu")
+    layers, heads = translator.cfg.model.dec_layers, translator.cfg.model.heads
+    assert translator.attention_spec(-1, heads - 1).head == heads - 1
+    with pytest.raises(AttnmtError, match=f"the decoder has {layers} layers"):
+        translator.attention_spec(layers)
+    with pytest.raises(AttnmtError, match=f"the model has {heads} heads"):
+        translator.attention_spec(0, heads)
+
+
+def test_a_test_set_scores_the_same_in_training_and_in_eval(tmp_path: Path, corpus, run_cli):
+    """An empty source line counts in both: its empty translation against its reference."""
+    src, tgt = make_pairs(12, 5)
+    src[4] = ""
+    raw = tiny_config(corpus)
+    raw["data"]["test"] = {
+        "src": str(write_lines(tmp_path / "test.src", src)),
+        "tgt": str(write_lines(tmp_path / "test.tgt", tgt)),
+    }
+    raw["train"].update(max_steps=4, eval_every=4)
+    train(from_dict(raw), tmp_path / "m", quiet=True)
+    log = (tmp_path / "m" / "train_log.jsonl").read_text().splitlines()
+    test = next(e for e in map(json.loads, log) if e["event"] == "test")
+    assert test["pairs"] == 12 and test["empty_sources"] == 1
+    r = run_cli(
+        "eval", "-m", str(tmp_path / "m"), "--src", raw["data"]["test"]["src"],
+        "--ref", raw["data"]["test"]["tgt"], "--json",
+    )  # fmt: skip
+    assert r.code == 0, r.stderr
+    assert json.loads(r.stdout)["bleu"] == test["bleu"]
+    assert json.loads(r.stdout)["chrf"] == test["chrf"]

@@ -1,0 +1,86 @@
+"""int8 decoding (attnmt.kernels.int8) on both architectures, through Translator and the CLI."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from attnmt import Translator
+from attnmt.config import from_dict
+from attnmt.kernels.int8 import MIN_OUT_FEATURES, Int8GRU, Int8Linear, int8_hardware
+from attnmt.training.loop import train
+
+from conftest import make_pairs, tiny_config
+
+LINES = make_pairs(40, 21)[0]
+
+
+@pytest.fixture(scope="module")
+def models(trained, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Both architectures, trained long enough (500 steps) to say different things per line and
+    to be decisive: at 60 steps near-ties flipped up to 22 % of lines on some CPUs."""
+    _, corpus = trained
+    out = {}
+    for arch in ("transformer", "rnn"):
+        raw = tiny_config(corpus, arch)
+        raw["model"].update(emb_size=32, hidden_size=32, ff_size=64)
+        raw["train"].update(max_steps=500, eval_every=500, lr=0.01, warmup_steps=5)
+        out[arch] = tmp_path_factory.mktemp(arch) / "m"
+        train(from_dict(raw), out[arch], quiet=True)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["transformer", "rnn"])
+def test_int8_swaps_the_matmuls_and_mostly_agrees_with_fp32(models, arch):
+    fp32 = Translator.load(models[arch], device="cpu")
+    int8 = Translator.load(models[arch], device="cpu", precision="int8")
+    modules = list(int8.model.modules())
+    assert not any(
+        type(m) is not nn.Linear and isinstance(m, nn.Linear) and m.out_features >= MIN_OUT_FEATURES
+        for m in modules
+    ), "a linear layer was left in fp32"
+    assert any(isinstance(m, Int8Linear) for m in modules)
+    assert (arch == "rnn") == any(isinstance(m, Int8GRU) for m in modules)
+    assert not any(type(m) is nn.GRU for m in modules)
+
+    for beam in (1, 3):
+        want, got = fp32.translate(LINES, beam=beam), int8.translate(LINES, beam=beam)
+        assert len(got) == len(LINES)
+        if beam == 1:  # (beam search's short outputs are alike on so small a model)
+            assert len(set(want)) > 5, "the model should not say the same thing to every line"
+        same = sum(a == b for a, b in zip(want, got, strict=True)) / len(LINES)
+        # Without VNNI the inputs are quantized to 7 bits (kernels/int8.py): less exact.
+        least = 0.9 if int8_hardware() else 0.8
+        assert same >= least, f"beam {beam}: {same:.0%} of lines equal to fp32"
+    found = int8.hypotheses(LINES[:8], beam=3, n_best=3)
+    assert all(len(h) == 3 and all(math.isfinite(x.score) for x in h) for h in found)
+
+
+def test_int8_from_the_cli_and_the_config(models, run_cli, tmp_path: Path, monkeypatch):
+    model = models["rnn"]
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(LINES[:6]) + "\n")
+    args = ("translate", "-m", str(model), "-i", str(src), "--beam", "1", "--device", "cpu")
+    fp32 = run_cli(*args)
+    r = run_cli(*args, "--precision", "int8")
+    assert r.code == 0, r.stderr
+    assert fp32.code == 0 and len(r.stdout.splitlines()) == 6
+    r = run_cli("translate", "-m", str(model), "-i", str(src), "--precision", "int4")
+    assert r.code == 2 and "--precision 'int4': expected fp32, bf16, fp16 or int8" in r.stderr
+    # A CPU without VNNI gets the hardware note, as bf16 without its instructions does.
+    monkeypatch.setattr("attnmt.device.cpu_matmul_hardware", lambda precision: precision == "fp32")
+    r = run_cli(*args, "--precision", "int8")
+    assert r.code == 0 and "no int8 matmul instructions (AVX512-VNNI or AVX-VNNI)" in r.stderr
+
+
+def test_int8_is_refused_off_the_cpu(models, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        "attnmt.decoding.translator.load_model_dir", lambda *a: pytest.fail("loaded")
+    )
+    with pytest.raises(Exception, match="int8 decoding is for the CPU"):
+        Translator.load(models["rnn"], device="cuda", precision="int8")

@@ -1,0 +1,121 @@
+import pytest
+import torch
+
+from attnmt.models.seq2seq import AttentionSpec, sequence_loss
+from attnmt.models.transformer import sinusoid_table
+
+from helpers import V, random_batch, stepwise_logits, tiny_model
+
+
+@pytest.mark.parametrize("norm", ["pre", "post"])
+def test_shapes_and_incremental_equals_full(norm):
+    model = tiny_model("transformer", norm=norm).eval()
+    batch = random_batch()
+    B, S = batch.src.shape
+    T = batch.tgt_in.size(1)
+    memory = model.encode(batch.src, batch.src_pad_mask)
+    assert all(k.shape == v.shape == (B, 2, S, 8) for k, v in memory.cross)  # 2 heads
+    full, _ = model.decode_all(memory, batch.tgt_in)
+    assert full.shape == (B, T, V)
+    # The cached one-position-at-a-time decoder computes the same logits as the full pass.
+    torch.testing.assert_close(
+        stepwise_logits(model, batch, batch.tgt_in), full, atol=1e-5, rtol=1e-4
+    )
+    state = model.init_state(memory)
+    logits, state, attn = model.decode_step(memory, state, batch.tgt_in[:, 0], AttentionSpec())
+    assert logits.shape == (B, V) and attn.shape == (B, S) and state.position == 1
+    assert torch.all(attn[batch.src_pad_mask] == 0)
+    torch.testing.assert_close(attn.sum(-1), torch.ones(B))
+    _, _, head0 = model.decode_step(
+        memory, model.init_state(memory), batch.tgt_in[:, 0], AttentionSpec(0, 1)
+    )
+    assert head0.shape == (B, S)
+    assert model.decode_step(memory, model.init_state(memory), batch.tgt_in[:, 0])[2] is None
+
+
+def test_tied_embeddings():
+    model = tiny_model("transformer")
+    assert model.output.weight is model.tgt_embed.embed.weight
+    assert model.src_embed.embed.weight is model.tgt_embed.embed.weight
+    untied = tiny_model("transformer", tie_embeddings=False)
+    assert untied.output.weight is not untied.tgt_embed.embed.weight
+
+
+def test_padding_does_not_change_a_sentence():
+    model = tiny_model("transformer").eval()
+    batch = random_batch(B=4)
+    alone = random_batch(B=4)
+    # Row 0 alone (no padding) vs inside the padded batch.
+    n = int((~batch.src_pad_mask[0]).sum())
+    m = int((batch.tgt_out[0] != 0).sum())
+    mem1 = model.encode(batch.src, batch.src_pad_mask)
+    mem2 = model.encode(alone.src[:1, :n], alone.src_pad_mask[:1, :n])
+    full1, _ = model.decode_all(mem1, batch.tgt_in)
+    full2, _ = model.decode_all(mem2, alone.tgt_in[:1, :m])
+    torch.testing.assert_close(full1[0, :m], full2[0], atol=1e-5, rtol=1e-4)
+
+
+def test_scheduled_sampling_two_pass():
+    model = tiny_model("transformer").eval()
+    batch = random_batch()
+    g = torch.Generator().manual_seed(0)
+    state = g.get_state()
+    gold, _n = model.loss(batch, 1.0, 0.0, g)
+    assert torch.equal(g.get_state(), state), "ratio 1.0 must not draw coins (no extra cost)"
+    memory = model.encode(batch.src, batch.src_pad_mask)
+    full, _ = model.decode_all(memory, batch.tgt_in)
+    torch.testing.assert_close(gold, sequence_loss(full, batch.tgt_out, 0.0)[0])
+    # ratio 0: every input after BOS is the first pass's prediction for that position.
+    sampled, _ = model.loss(batch, 0.0, 0.0, g)
+    pred = full.argmax(-1)
+    mixed = torch.cat([batch.tgt_in[:, :1], pred[:, :-1]], dim=1)
+    expected = sequence_loss(model.decode_all(memory, mixed)[0], batch.tgt_out, 0.0)[0]
+    torch.testing.assert_close(sampled, expected)
+    assert not torch.isclose(sampled, gold)
+
+
+def test_sinusoid_table_formula_and_offset():
+    t = sinusoid_table(10, 6)
+    assert t.shape == (10, 6)
+    assert t[3, 2] == pytest.approx(torch.sin(torch.tensor(3 / 10000 ** (2 / 6))).item())
+    assert t[3, 3] == pytest.approx(torch.cos(torch.tensor(3 / 10000 ** (2 / 6))).item())
+    torch.testing.assert_close(sinusoid_table(4, 6, offset=6), t[6:10])
+    assert sinusoid_table(3, 5).shape == (3, 5)  # odd widths work too
+
+
+def test_positions_past_the_table_keep_the_model_dtype():
+    """Positions past the precomputed 512 are computed on demand, in the model's format."""
+    model = tiny_model("transformer").eval().to(torch.bfloat16)
+    x = model.tgt_embed(torch.tensor([[5, 6]]), offset=600)  # (1, 2, d)
+    assert x.dtype == torch.bfloat16
+    ref = model.tgt_embed.embed(torch.tensor([[5, 6]])) * model.tgt_embed.scale
+    pe = sinusoid_table(602, x.size(-1))[600:].to(torch.bfloat16)
+    torch.testing.assert_close(x, ref + pe)
+
+
+def test_selected_state_continues_as_the_selected_rows():
+    """select_state only records the rows; the next step copies the caches in that order as
+    it appends its position. Same logits as decoding the selected rows from the start."""
+    model = tiny_model("transformer").eval()
+    batch = random_batch(B=4)
+    memory = model.encode(batch.src, batch.src_pad_mask)
+    tokens = batch.tgt_in[:, :3]  # (4, 3)
+    state = model.init_state(memory)
+    with torch.no_grad():
+        for t in range(2):
+            _, state, _ = model.decode_step(memory, state, tokens[:, t])
+        # Two selections before the next step compose: rows [2, 0, 0, 3] then [3, 1, 0].
+        first, second = torch.tensor([2, 0, 0, 3]), torch.tensor([3, 1, 0])
+        state = model.select_state(model.select_state(state, first), second)
+        rows = first[second]  # [3, 0, 2]
+        assert torch.equal(state.rows, rows)
+        sub = model.select_memory(memory, rows)
+        logits, state, _ = model.decode_step(sub, state, tokens[rows, 2])
+        assert state.rows is None and state.caches[0].self_k.shape[:3] == (3, 2, 3)
+        # Reference: the selected sentences decoded on their own.
+        ref_state = model.init_state(sub)
+        for t in range(3):
+            ref, ref_state, _ = model.decode_step(sub, ref_state, tokens[rows, t])
+    torch.testing.assert_close(logits, ref, atol=1e-6, rtol=1e-5)
+    for c, r in zip(state.caches, ref_state.caches, strict=True):
+        torch.testing.assert_close(c.self_k, r.self_k, atol=1e-6, rtol=1e-5)
