@@ -9,11 +9,19 @@ After each chunk its translations are appended to OUTPUT.partial and synced, the
 file OUTPUT.distill.json records the lines and bytes done (written atomically). Whatever kills
 the command, re-running it truncates OUTPUT.partial to the recorded bytes and continues at the
 recorded line; the chunks are the same, so the output ends byte-identical to an uninterrupted
-run. OUTPUT exists only when every line is done (OUTPUT.partial renamed to it).
+run. OUTPUT exists only when every line is done (OUTPUT.partial renamed to it), and only with
+exactly as many lines as the source.
+
+The progress file is sealed, as the training state is: it records the SHA-256 of
+OUTPUT.partial's first `bytes` bytes and a checksum over itself, so an edited or damaged one is
+refused in one line instead of resuming at the wrong place. OUTPUT.distill.lock keeps a second
+`attnmt distill` off the same output while one runs.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
 import sys
@@ -48,6 +56,10 @@ def progress_path(output: Path) -> Path:
     return output.with_name(output.name + ".distill.json")
 
 
+def lock_path(output: Path) -> Path:
+    return output.with_name(output.name + ".distill.lock")
+
+
 def distill(
     translator: Translator,
     teachers: list[Path],
@@ -66,8 +78,22 @@ def distill(
     if not src.is_file():
         raise DataError(f"--src {src}: a regular file is needed to resume (not a pipe)")
     job = _job(translator, teachers, weights, src, beam, target_lang, chunk_lines)
-    state = _resume_state(output, job, force)
-    options = translator.options(beam=beam)
+    with _locked(output):
+        return _distill(translator, src, output, job, force, progress)
+
+
+def _distill(
+    translator: Translator,
+    src: Path,
+    output: Path,
+    job: dict[str, Any],
+    force: bool,
+    progress: bool,
+) -> Distilled:
+    """distill's work, under the output's lock."""
+    chunk_lines, target_lang = job["chunk_lines"], job["target_lang"]
+    state, digest = _resume_state(output, job, force)
+    options = translator.options(beam=job["beam"])
     start, translated = time.time(), 0
     bar = tqdm(
         total=state["total"], initial=state["lines"], unit=" lines", desc="distill",
@@ -81,13 +107,21 @@ def distill(
             if number < state["lines"] // chunk_lines:
                 continue  # done by an earlier run
             found = translator.search(chunk, options, target_lang=target_lang)
-            data = "".join(r[0].text + "\n" for r in found).encode("utf-8")
+            # A translation is one line: a newline inside one would shift every later line.
+            data = "".join(r[0].text.replace("\n", " ") + "\n" for r in found).encode("utf-8")
             _append(out, data, partial)
+            digest.update(data)
             state["lines"] += len(chunk)
             state["bytes"] += len(data)
-            atomic_write_bytes(progress_path(output), json.dumps(state).encode())
+            state["sha256"] = digest.hexdigest()
+            save_progress(progress_path(output), state)
             translated += len(chunk)
             bar.update(len(chunk))
+    if state["lines"] != state["total"]:
+        raise DataError(
+            f"{partial}: {state['lines']:,} lines for {state['total']:,} source lines ({src} "
+            "changed while it was read?); kept unfinished"
+        )
     os.replace(partial, output)
     fsync_dir(output.parent if str(output.parent) else Path("."))
     progress_path(output).unlink(missing_ok=True)
@@ -117,34 +151,102 @@ def _job(
     }
 
 
-def _resume_state(output: Path, job: dict[str, Any], force: bool) -> dict[str, Any]:
-    """The progress of an earlier run of this job (its lines and bytes done), or a fresh one;
-    a finished output, or an interrupted run of another job, is refused unless `force`."""
+def _resume_state(output: Path, job: dict[str, Any], force: bool) -> tuple[dict[str, Any], Any]:
+    """The progress of an earlier run of this job (its lines and bytes done) and the running
+    SHA-256 of the partial output, or a fresh start; a finished output, an interrupted run of
+    another job, or a progress file that does not match itself and the partial output is
+    refused unless `force`."""
     progress, partial = progress_path(output), partial_path(output)
     if output.exists() and not force:
         raise WriteError(f"--output {output}: exists (a finished distillation?); --force redoes it")
     if progress.exists() and not force:
-        try:
-            state = json.loads(progress.read_text(encoding="utf-8"))
-            recorded = dict(state["job"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise DataError(
-                f"{progress}: unreadable ({reason(e)}); remove it to start over"
-            ) from None
-        changed = sorted(k for k in job if recorded.get(k) != job[k])
+        state = _read_state(progress)
+        changed = sorted(k for k in job if state["job"].get(k) != job[k])
         if changed:
             raise AttnmtError(
                 f"{progress}: an interrupted distillation with other settings ({', '.join(changed)}"
                 " differ); run it with its settings, or --force to start over"
             )
-        if not partial.exists() or partial.stat().st_size < state["bytes"]:
-            raise DataError(f"{partial}: missing or shorter than {progress.name} records")
-        return state
+        return state, _check_partial(partial, state, progress)
     progress.unlink(missing_ok=True)
     partial.unlink(missing_ok=True)
-    state = {"job": job, "lines": 0, "bytes": 0, "total": _count_lines(Path(job["src"]))}
-    atomic_write_bytes(progress, json.dumps(state).encode())
+    digest = hashlib.sha256()
+    total = _count_lines(Path(job["src"]))
+    state = {"job": job, "lines": 0, "bytes": 0, "total": total, "sha256": digest.hexdigest()}
+    save_progress(progress, state)
+    return state, digest
+
+
+def _seal(state: dict[str, Any]) -> str:
+    body = {k: v for k, v in state.items() if k != "seal"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def save_progress(path: Path, state: dict[str, Any]) -> None:
+    state["seal"] = _seal(state)
+    atomic_write_bytes(path, json.dumps(state).encode())
+
+
+def _read_state(progress: Path) -> dict[str, Any]:
+    """The progress file, its fields checked and its seal verified; DataError otherwise."""
+    fix = "remove it, or pass --force, to start over"
+    try:
+        state = json.loads(progress.read_text(encoding="utf-8"))
+        fields = [state[k] for k in ("lines", "bytes", "total")]
+        ok = isinstance(state["job"], dict) and isinstance(state["sha256"], str)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{progress}: unreadable ({reason(e)}); {fix}") from None
+    if not ok or not all(type(v) is int and v >= 0 for v in fields):
+        raise DataError(f"{progress}: lines, bytes and total must be counts; {fix}")
+    if state.get("seal") != _seal(state) or state["lines"] > state["total"]:
+        raise DataError(f"{progress}: does not match its own checksum (edited or damaged); {fix}")
     return state
+
+
+def _check_partial(partial: Path, state: dict[str, Any], progress: Path) -> Any:
+    """The running SHA-256 of partial's first state["bytes"] bytes, which must be what the
+    progress file records and hold state["lines"] lines; DataError otherwise."""
+    digest, lines, left = hashlib.sha256(), 0, state["bytes"]
+    try:
+        with open(partial, "rb") as f:
+            while left and (block := f.read(min(left, 1 << 20))):
+                digest.update(block)
+                lines += block.count(b"\n")
+                left -= len(block)
+    except OSError as e:
+        raise DataError(f"{partial}: unreadable ({reason(e)})") from None
+    if left or digest.hexdigest() != state["sha256"] or lines != state["lines"]:
+        raise DataError(
+            f"{partial}: not what {progress.name} records (changed or cut since); remove both, "
+            "or pass --force, to start over"
+        )
+    return digest
+
+
+class _locked:
+    """OUTPUT.distill.lock, held while a distillation writes OUTPUT: a second one is refused
+    in one line (the OS releases the lock when the holder ends, however it ends)."""
+
+    def __init__(self, output: Path) -> None:
+        self.path = lock_path(output)
+
+    def __enter__(self) -> None:
+        try:
+            self.file = open(self.path, "a+")
+        except OSError as e:
+            raise WriteError(f"{self.path}: cannot write ({reason(e)})") from None
+        try:
+            fcntl.flock(self.file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.close()
+            raise AttnmtError(
+                f"--output {self.path.name.removesuffix('.distill.lock')}: another attnmt distill "
+                "is writing it; wait for it to end or stop it first"
+            ) from None
+
+    def __exit__(self, *exc: object) -> None:
+        self.path.unlink(missing_ok=True)  # still held: no other run can have taken it
+        self.file.close()
 
 
 def _count_lines(src: Path) -> int:

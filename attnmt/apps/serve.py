@@ -8,6 +8,12 @@ several batches, interleaved with the others (Batcher). Limits give JSON errors,
 too many lines or characters, or a body too large (refused before it is read whole) 413, a
 malformed request (NaN, Infinity, lone surrogates, unknown fields) 422, a full queue 503; every
 error is {"error": message}. GET / is the translation page (web/index.html).
+
+A request's work is bounded before it starts: lines × beam (or draws) at most max_search, and
+the attention maps it asks for at most max_attention weights, counted at the longest output the
+search may write. Attention maps are computed in a thread of their own that stops when the
+client leaves. Only a JSON body is read (a form or text/plain POST, which any web page may send
+cross-origin, is refused), and only Host names the server answers to (DNS rebinding).
 """
 
 from __future__ import annotations
@@ -15,7 +21,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import queue
+import socket
 import sys
 import threading
 import time
@@ -29,7 +37,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
-from attnmt.decoding.search import Sampling, SearchOptions
+from attnmt.decoding.search import Beam, Sampling, SearchOptions
 from attnmt.decoding.translate import Translation
 from attnmt.decoding.translator import Translator
 from attnmt.errors import AttnmtError
@@ -43,6 +51,8 @@ class Limits:
     batch_wait_ms: float = 5.0  # how long the first request of a batch waits for others
     batch_lines: int = 256  # lines searched at most in one batch
     batch_chars: int = 8000  # characters searched at most in one batch (at least one line)
+    max_search: int = 512  # lines × beam (or draws) per request
+    max_attention: int = 2_000_000  # attention weights a request may ask for (at most)
 
     @property
     def max_body(self) -> int:
@@ -54,16 +64,17 @@ class Limits:
 class SamplingRequest(BaseModel):
     """Draw translations instead of searching (translate --sampling)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     temperature: float = Field(1.0, ge=0.01, le=100.0, description="Divide the logits by this.")
     top_k: int = Field(0, ge=0, description="Draw from the K likeliest tokens (0: all).")
     seed: int = Field(0, ge=0, le=(1 << 63) - 1, description="Seed of the draws.")
 
 
 class TranslateRequest(BaseModel):
-    """Closed, as the config is: an unknown field is refused (422), not ignored."""
+    """Closed, as the config is: an unknown field is refused (422), not ignored; strict, so
+    `"beam": true` or `"beam": "5"` is refused too, as the Python API refuses them."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     text: list[str] = Field(description="Sentences to translate, one per item.")
     beam: int | None = Field(None, ge=1, le=100, description="Beam size (default: the model's).")
     n_best: int = Field(
@@ -275,6 +286,40 @@ def check_limits(request: TranslateRequest, limits: Limits) -> None:
             )
 
 
+def check_work(
+    translator: Translator, request: TranslateRequest, options: SearchOptions, limits: Limits
+) -> None:
+    """413 for a request whose search, or whose attention maps at the longest output the
+    search may write, would pass the limits: bounded before any work starts."""
+    width = options.method.size if isinstance(options.method, Beam) else options.n_best
+    hypotheses = len(request.text) * width
+    if hypotheses > limits.max_search:
+        raise RequestError(
+            413, f"{len(request.text)} lines x {width} hypotheses (beam or draws) = "
+            f"{hypotheses:,}; at most {limits.max_search:,} a request (serve --max-search)",
+        )  # fmt: skip
+    if request.attention:
+        weights = attention_bound(translator, request.text, options)
+        if weights > limits.max_attention:
+            raise RequestError(
+                413, f"attention maps of up to {weights:,} weights; at most "
+                f"{limits.max_attention:,} a request (serve --max-attention): send fewer or "
+                "shorter lines, or a smaller n_best",
+            )  # fmt: skip
+
+
+def attention_bound(translator: Translator, lines: list[str], options: SearchOptions) -> int:
+    """The attention weights of every hypothesis's map at the longest output the search may
+    write: layers x heads x output pieces x source pieces (EOS, tag included), summed."""
+    layers, heads = translator.attention_shape()
+    total = 0
+    for ids in translator.tokenizer.src.encode([line.strip() for line in lines]):
+        S = min(len(ids) + 2, options.max_src_len)  # EOS and a language tag
+        T = min(int(options.max_len_a * S) + options.max_len_b, options.max_output_len) + 1
+        total += options.n_best * layers * heads * T * S
+    return total
+
+
 def request_options(translator: Translator, request: TranslateRequest) -> SearchOptions:
     """The request's search, checked as the CLI's options are (an AttnmtError: 422)."""
     draws = request.sampling
@@ -294,27 +339,59 @@ def answer(results: list[list[Translation]], n_best: int) -> dict[str, Any]:
     return out
 
 
-def maps(translator: Translator, results: list[list[Translation]]) -> list[list[dict[str, Any]]]:
-    """Each hypothesis's source attention (Translator.attention_maps), as JSON."""
-    return [
-        [
-            {
-                "src_pieces": t.src_pieces,
-                "tgt_pieces": t.tgt_pieces,
-                "weights": translator.attention_maps(t).round(decimals=4).tolist(),
-            }
-            for t in found
-        ]
-        for found in results
-    ]
+class Cancelled(Exception):
+    """The client left: the work for it stops."""
+
+
+def maps(
+    translator: Translator, results: list[list[Translation]], cancel: threading.Event
+) -> list[list[dict[str, Any]]]:
+    """Each hypothesis's source attention (Translator.attention_maps), as JSON; Cancelled as
+    soon as `cancel` is set (checked between hypotheses)."""
+    out: list[list[dict[str, Any]]] = []
+    for found in results:
+        out.append([])
+        for t in found:
+            if cancel.is_set():
+                raise Cancelled
+            weights = translator.attention_maps(t).round(decimals=4).tolist()
+            out[-1].append(
+                {"src_pieces": t.src_pieces, "tgt_pieces": t.tgt_pieces, "weights": weights}
+            )
+    return out
+
+
+def in_thread(work: Any, *args: Any) -> Future:
+    """work(*args) in a daemon thread: a server stopped by a signal does not wait for it (the
+    event loop's executor would, and cannot cancel it)."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(work(*args))
+        except BaseException as e:  # the waiting request answers it
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="attnmt-attention", daemon=True).start()
+    return future
 
 
 def create_app(
-    translator: Translator, limits: Limits, name: str = "", access_log: bool = True
+    translator: Translator,
+    limits: Limits,
+    name: str = "",
+    access_log: bool = True,
+    hosts: frozenset[str] | None = None,
+    docs: bool = False,
 ) -> FastAPI:
-    """The FastAPI application: POST /translate, GET / (the page), GET /health, docs at /docs;
-    every error is {"error": message}; with access_log, one line per request on stderr."""
-    app = FastAPI(title="attnmt", summary=f"Translate with the attnmt model {name}".strip())
+    """The FastAPI application: POST /translate, GET / (the page), GET /health, the OpenAPI
+    document at /openapi.json (and with docs, Swagger UI at /docs, which loads its scripts from
+    a CDN); every error is {"error": message}; with access_log, one line per request on stderr;
+    with hosts, a request whose Host header names another host is refused (400)."""
+    app = FastAPI(
+        title="attnmt", summary=f"Translate with the attnmt model {name}".strip(),
+        docs_url="/docs" if docs else None, redoc_url=None,
+    )  # fmt: skip
     batcher = Batcher(translator, limits)
     _translate_route(app, translator, batcher, limits)
     page = (resources.files("attnmt.apps") / "web" / "index.html").read_text(encoding="utf-8")
@@ -345,6 +422,8 @@ def create_app(
     async def failed(request: Request, exc: Exception) -> JSONResponse:
         return _error(500, f"{type(exc).__name__}: {exc}")
 
+    if hosts is not None:
+        app.add_middleware(HostCheck, hosts=hosts)
     if access_log:
         app.add_middleware(AccessLog)
     return app
@@ -372,11 +451,13 @@ def _translate_route(
     )  # fmt: skip
     async def translate(http: Request) -> Any:
         try:
+            check_json(http)
             request = parse_request(await read_body(http, limits.max_body))
             http.state.lines = len(request.text)
             check_limits(request, limits)
             options = request_options(translator, request)
             translator.source_prefix(request.target_lang)  # a multilingual model needs it
+            check_work(translator, request, options, limits)
         except RequestError as e:
             return _error(e.status, str(e))
         except AttnmtError as e:
@@ -387,16 +468,18 @@ def _translate_route(
             job = batcher.submit(request.text, options, request.target_lang)
         except queue.Full:
             return _error(503, f"{limits.max_queue} requests waiting; try again shortly")
-        waiting = asyncio.wrap_future(job.future)
-        while not waiting.done():
-            await asyncio.wait({waiting}, timeout=0.25)
-            if not waiting.done() and await http.is_disconnected():
-                job.cancelled = True  # the client left: its remaining lines are not searched
-                return _error(499, "client closed the request")
-        results = waiting.result()
+        if not await finished(http, job.future):
+            job.cancelled = True  # the client left: its remaining lines are not searched
+            return _error(499, "client closed the request")
+        results = job.future.result()
         found = answer(results, options.n_best)
         if request.attention:  # off the event loop: forced decoding is CPU work
-            found["attention"] = await asyncio.to_thread(maps, translator, results)
+            cancel = threading.Event()
+            work = in_thread(maps, translator, results, cancel)
+            if not await finished(http, work):
+                cancel.set()
+                return _error(499, "client closed the request")
+            found["attention"] = work.result()
         return found
 
     default_openapi = app.openapi
@@ -407,6 +490,97 @@ def _translate_route(
         return document
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+async def finished(http: Request, future: Future) -> bool:
+    """Wait for `future`; False as soon as the client has gone, or the server is stopping
+    (its shutdown cancels the request), instead."""
+    waiting = asyncio.wrap_future(future)
+    try:
+        while not waiting.done():
+            await asyncio.wait({waiting}, timeout=0.25)
+            if not waiting.done() and await http.is_disconnected():
+                return False
+    except asyncio.CancelledError:
+        return False
+    return True
+
+
+def check_json(http: Request) -> None:
+    """415 unless the body says it is JSON: a web page may POST a form or text/plain to any
+    address without asking (no CORS preflight), but not application/json."""
+    kind = http.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/json":
+        raise RequestError(
+            415, f"content-type {kind or 'missing'}: POST /translate takes application/json"
+        )
+
+
+def served_hosts(host: str, allowed: list[str]) -> frozenset[str] | None:
+    """The Host header names answered when bound to `host`: the address itself (a loopback
+    address: also localhost and the other loopback names) and `allowed`; None (any) when
+    bound to every interface and nothing more is named."""
+    wildcard = host in ("0.0.0.0", "::", "")
+    if wildcard and not allowed:
+        return None
+    names = {h.lower() for h in allowed} | ({host.lower()} if not wildcard else set())
+    if host in ("127.0.0.1", "::1", "localhost"):
+        names |= {"127.0.0.1", "::1", "localhost"}
+    return frozenset(names)
+
+
+class HostCheck:
+    """ASGI middleware: 400 for a request whose Host header is not one the server answers to,
+    so a page on another site that rebinds its DNS name to this address reads nothing."""
+
+    def __init__(self, app: Any, hosts: frozenset[str]) -> None:
+        self.app, self.hosts = app, hosts
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            header = dict(scope["headers"]).get(b"host", b"").decode("latin-1").lower()
+            name = header[1:].split("]")[0] if header.startswith("[") else header.split(":")[0]
+            if name not in self.hosts:
+                message = f"Host {header or 'missing'} is not served here (serve --allowed-host)"
+                await _error(400, message)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, before anything is announced: a port in use or an address
+    not ours is one line and exit code 2, not uvicorn's log and exit code 3."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise AttnmtError(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def run(app: FastAPI, host: str, port: int, name: str) -> None:
+    """Serve `app` on host:port until SIGINT (exit code 130, as the other commands) or SIGTERM;
+    requests in flight get one second to finish, and busy search threads do not hold it up."""
+    import uvicorn
+
+    sock = listen(host, port)
+    where = (
+        f"{host}:{sock.getsockname()[1]}"
+        if ":" not in host
+        else f"[{host}]:{sock.getsockname()[1]}"
+    )
+    print(f"attnmt: serving {name} on http://{where}", file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])  # re-raises the signal that stopped it
+    except KeyboardInterrupt:
+        # A search thread may be inside torch: the process ends now, not through the
+        # interpreter's exit, whose destructors would abort under a running thread pool.
+        print("attnmt: interrupted", file=sys.stderr, flush=True)
+        os._exit(130)
 
 
 class AccessLog:

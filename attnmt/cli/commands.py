@@ -243,6 +243,18 @@ def serve(
         "--max-queue", min=1, help="Requests waiting (more: 503).")] = 256,
     batch_wait_ms: Annotated[float, typer.Option(
         "--batch-wait-ms", min=0.0, help="How long a request waits for others.")] = 5.0,
+    max_search: Annotated[int, typer.Option(
+        "--max-search", min=1, help="Lines x beam (or draws) per request (more: 413).")] = 512,
+    max_attention: Annotated[int, typer.Option(
+        "--max-attention", min=1,
+        help="Attention weights a request may ask for, at its longest output (more: 413).")
+    ] = 2_000_000,
+    allowed_host: Annotated[list[str] | None, typer.Option(
+        "--allowed-host", metavar="NAME",
+        help="Another Host header name to answer to (repeatable; default: the bound address, "
+        "and localhost on a loopback address).")] = None,
+    docs: Annotated[bool, typer.Option(
+        "--docs/--no-docs", help="Swagger UI at /docs (it loads scripts from a CDN).")] = False,
     access_log: Annotated[bool, typer.Option(
         "--access-log/--no-access-log", help="A line per request on stderr.")] = True,
     weights: WeightsOption = "best",
@@ -253,9 +265,9 @@ def serve(
 ) -> None:  # fmt: skip
     """Serve translations over HTTP: POST /translate {"text": [...], "beam": 5}."""
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401
 
-        from attnmt.apps.serve import Limits, create_app
+        from attnmt.apps.serve import Limits, create_app, run, served_hosts
     except ImportError as e:
         raise AttnmtError(
             f'attnmt serve needs the serve extra ({e.name} is missing): pip install "attnmt[serve]"'
@@ -263,11 +275,13 @@ def serve(
     from attnmt.decoding.translator import Translator
 
     translator = Translator.load(model, device, weights, precision, matmul, workers)
-    limits = Limits(max_lines, max_chars, max_queue, batch_wait_ms)
+    limits = Limits(
+        max_lines, max_chars, max_queue, batch_wait_ms,
+        max_search=max_search, max_attention=max_attention,
+    )  # fmt: skip
     name = " + ".join(map(str, model))
-    app_ = create_app(translator, limits, name, access_log)
-    typer.echo(f"attnmt: serving {name} on http://{host}:{port} (docs: /docs)", err=True)
-    uvicorn.run(app_, host=host, port=port, log_level="warning")
+    hosts = served_hosts(host, allowed_host or [])
+    run(create_app(translator, limits, name, access_log, hosts, docs), host, port, name)
 
 
 @app.command()

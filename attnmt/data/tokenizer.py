@@ -128,7 +128,16 @@ def _train_on_sample(
     )
 
 
-_CONTROL, _UNKNOWN = 3, 2  # ModelProto.SentencePiece.Type
+_CONTROL, _UNKNOWN, _USER_DEFINED = 3, 2, 4  # ModelProto.SentencePiece.Type
+
+
+def _user_defined_ids(proto: bytes) -> frozenset[int]:
+    """The ids of a SentencePiece model's user-defined pieces."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    m = pb.ModelProto()
+    m.ParseFromString(proto)
+    return frozenset(i for i, p in enumerate(m.pieces) if p.type == _USER_DEFINED)
 
 
 def conform(proto: bytes, path: Path) -> bytes:
@@ -189,12 +198,29 @@ class SubwordVocab:
     def __init__(self, model_proto: bytes) -> None:
         self.proto = model_proto
         self.sp = spm.SentencePieceProcessor(model_proto=model_proto)
+        self.reserved = _user_defined_ids(model_proto)  # language tags: set by ids, never by text
 
     def __len__(self) -> int:
         return self.sp.get_piece_size()
 
     def encode(self, lines: Sequence[str]) -> list[list[int]]:
-        return self.sp.encode(list(lines), out_type=int)
+        """Each line's ids. Text never becomes a reserved piece: SentencePiece matches a
+        user-defined piece (a language tag such as <2en>) wherever its text occurs, so such a
+        piece is spelled out in its characters' pieces instead (control pieces, <s> </s>
+        <pad>, never match text)."""
+        found = self.sp.encode(list(lines), out_type=int)
+        if not self.reserved:
+            return found
+        return [ids if self.reserved.isdisjoint(ids) else self._spelled(ids) for ids in found]
+
+    def _spelled(self, ids: list[int]) -> list[int]:
+        out: list[int] = []
+        for i in ids:
+            if i in self.reserved:  # a character with no piece of its own becomes unk
+                out += [self.sp.piece_to_id(c) for c in self.sp.id_to_piece(i)]
+            else:
+                out.append(i)
+        return out
 
     def pieces(self, ids: Sequence[int]) -> list[str]:
         return [self.sp.id_to_piece(int(i)) for i in ids]

@@ -10,6 +10,7 @@ reranking n-best lists (fairseq's --score-reference, marian-scorer).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -76,6 +77,18 @@ def attention_maps(
     return torch.stack(found)  # (layers, heads, T, S)
 
 
+def _cut(ids: list[int], limit: int, what: str, key: str, end: int | None) -> list[int]:
+    """ids cut to `limit` (ending in `end` when given), with a warning on stderr."""
+    if len(ids) <= limit:
+        return ids
+    print(
+        f"attnmt: warning: {what}: {len(ids) - 1:,} subwords, cut to the first "
+        f"{limit - (end is not None):,} ({key})",
+        file=sys.stderr,
+    )
+    return [*ids[: limit - 1], end] if end is not None else ids[:limit]
+
+
 def score_pairs(
     model: Seq2Seq,
     tokenizer: Tokenizer,
@@ -85,15 +98,22 @@ def score_pairs(
     batch_tokens: int,
     device: torch.device | str = "cpu",
     prefix: Sequence[int] = (),
+    max_src_len: int = 1000,
+    max_tgt_len: int = 1500,
 ) -> list[ForcedScore]:
     """The forced-decoding score of each (source, target) pair, in order; sources are encoded
-    as translate encodes them (`prefix`: a multilingual model's target-language tag)."""
+    as translate encodes them (`prefix`: a multilingual model's target-language tag). A source
+    is cut to max_src_len subwords as translate cuts it, a target to max_tgt_len (its score is
+    then that of its first pieces), each with a warning: one long line must not stall the rest."""
     if len(sources) != len(targets):
         raise DataError(f"line counts differ: {len(sources)} sources, {len(targets)} targets")
     was_training = model.training
     model.eval()
     src = [[*prefix, *s, EOS_ID] for s in tokenizer.src.encode([s.strip() for s in sources])]
     tgt = [[*t, EOS_ID] for t in tokenizer.tgt.encode([t.strip() for t in targets])]
+    for i in range(len(src)):
+        src[i] = _cut(src[i], max_src_len, f"source line {i + 1}", "decode.max_src_len", EOS_ID)
+        tgt[i] = _cut(tgt[i], max_tgt_len, f"target line {i + 1}", "decode.max_output_len", None)
     lengths = [max(len(s), len(t)) for s, t in zip(src, tgt, strict=True)]
     found = [0.0] * len(src)
     for batch in sorted_batches(lengths, batch_tokens):

@@ -202,7 +202,12 @@ class Translator:
         """The ids before every source: a multilingual model's tag of `target_lang`, which it
         needs; nothing for a bilingual model (which takes its own target language, or none)."""
         langs = self.target_langs
-        if target_lang is not None and langs and target_lang not in langs:
+        if target_lang is not None and not langs:
+            raise AttnmtError(
+                f"--target-lang {target_lang!r}: this model names no target language (it "
+                "translates into the one it was trained on); drop --target-lang"
+            )
+        if target_lang is not None and target_lang not in langs:
             raise AttnmtError(
                 f"--target-lang {target_lang!r}: this model translates into {', '.join(langs)}"
             )
@@ -289,7 +294,16 @@ class Translator:
                 self.model, self.tokenizer, sources, targets, device=self.device,
                 batch_tokens=batch_tokens or self.cfg.decode.batch_tokens,
                 prefix=self.source_prefix(target_lang),
+                max_src_len=self.cfg.decode.max_src_len,
+                max_tgt_len=self.cfg.decode.max_output_len,
             )  # fmt: skip
+
+    def attention_shape(self) -> tuple[int, int]:
+        """(layers, heads) of the maps attention_maps gives."""
+        m = self.cfg.model
+        if m.arch == "transformer" and len(self.members) <= 1:
+            return m.dec_layers, m.heads
+        return 1, 1
 
     def attention_maps(self, found: Translation) -> torch.Tensor:
         """The source attention of a translation `found` (from search), for every

@@ -187,6 +187,19 @@ def prepare_output_dir(out: Path, overwrite: bool, resume: bool) -> DirLock:
     return lock
 
 
+def discard_run(out: Path, existed: bool) -> None:
+    """Remove what a new run wrote before it failed to start (SentencePiece, the encoded
+    corpus, logs, the lock), and the directory itself when the run made it: the corrected
+    command then starts clean instead of finding "already holds a run"."""
+    if not existed:
+        shutil.rmtree(out, ignore_errors=True)
+        return
+    for name in (*RUN_FILES, LOCK_FILE):
+        (out / name).unlink(missing_ok=True)
+    for name in (CKPT_DIR, "encoded", "tensorboard"):  # data.store's and training.board's
+        shutil.rmtree(out / name, ignore_errors=True)
+
+
 def _clear_or_reuse(out: Path, overwrite: bool, resume: bool) -> None:
     if any(f.name != LOCK_FILE for f in out.iterdir()) and not resume:
         if not overwrite:

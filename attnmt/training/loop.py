@@ -22,11 +22,11 @@ import torch
 from attnmt.config import Config
 from attnmt.data.processes import StopSignals
 from attnmt.device import resolve_device
-from attnmt.errors import ConfigError
+from attnmt.errors import AttnmtError, ConfigError
 from attnmt.kernels import mask_threads, matmul_backend
-from attnmt.models.directory import BEST_FILE
+from attnmt.models.directory import BEST_FILE, resolve_weights
 from attnmt.training import distributed
-from attnmt.training.checkpoints import prepare_output_dir
+from attnmt.training.checkpoints import discard_run, prepare_output_dir
 from attnmt.training.finetune import inherit
 from attnmt.training.runlog import METRIC_NAMES, ProgressBar, RunLog, ThroughputMeter
 from attnmt.training.setup import Run, setup
@@ -42,9 +42,14 @@ def train(
         if cfg.train.init_from.resolve() == out.resolve():
             raise ConfigError(f"train.init_from is the model directory --out {out} itself")
         cfg = inherit(cfg)
+        resolve_weights(cfg.train.init_from, "best")  # refused before the directory is made
     ranks = distributed.ranks_from_env()
+    # A new run that fails to start leaves nothing behind (the corrected command starts clean);
+    # a directory it did not make is not touched until it holds the lock and was cleared.
+    fresh, existed = not resume and ranks.is_main, out.exists()
     # Rank 0 holds the directory's lock for the whole run: a second trainer is refused.
-    lock = prepare_output_dir(out, overwrite, resume) if ranks.is_main else None
+    with DiscardedOnError(out, existed, fresh and not existed):
+        lock = prepare_output_dir(out, overwrite, resume) if ranks.is_main else None
     with contextlib.closing(lock) if lock else contextlib.nullcontext():
         device = resolve_device(cfg.train.device)
         if ranks.world > 1:
@@ -54,7 +59,8 @@ def train(
         backend = cfg.train.matmul if device.type == "cpu" else "blas"
         try:
             with matmul_backend(backend):
-                run = setup(cfg, out, resume, ranks, device, log)
+                with DiscardedOnError(out, existed, fresh):
+                    run = setup(cfg, out, resume, ranks, device, log)
                 try:
                     return train_loop(run)
                 finally:
@@ -63,6 +69,22 @@ def train(
         finally:
             log.close()  # also when training fails: no log file is left open
             ranks.shutdown()
+
+
+class DiscardedOnError:
+    """A user error inside the block (a bad file, config or --init-from, a full disk) removes
+    what the new run wrote so far (checkpoints.discard_run); a bug is left to be looked at."""
+
+    def __init__(self, out: Path, existed: bool, enabled: bool) -> None:
+        self.out, self.existed, self.enabled = out, existed, enabled
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type | None, error: BaseException | None, trace: Any) -> bool:
+        if self.enabled and isinstance(error, AttnmtError):
+            discard_run(self.out, self.existed)
+        return False
 
 
 def train_loop(run: Run) -> dict[str, Any]:

@@ -5,6 +5,7 @@ programs, TensorBoard), the progress bar, and the throughput of its steps.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -24,6 +25,26 @@ from attnmt.models.directory import LOG_JSONL, LOG_TEXT
 from attnmt.training.board import Board
 
 
+def end_torn_lines(text: Path, jsonl: Path) -> int:
+    """Before a run appends to its logs: a last line cut short by a kill is dropped from the
+    JSON lines (a fragment would glue onto the next event) and ended in the text log. Returns
+    the bytes dropped."""
+    if text.is_file() and text.stat().st_size:
+        with open(text, "rb+") as f:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+    if not jsonl.is_file() or not jsonl.stat().st_size:
+        return 0
+    data = jsonl.read_bytes()
+    if data.endswith(b"\n"):
+        return 0
+    keep = data.rfind(b"\n") + 1
+    with open(jsonl, "rb+") as f:
+        f.truncate(keep)
+    return len(data) - keep
+
+
 class RunLog:
     """Human-readable lines on stderr and in train.log; the same events as JSON lines."""
 
@@ -32,9 +53,16 @@ class RunLog:
         self.enabled = enabled
         self.quiet = quiet
         self.board: Board | None = None  # TensorBoard, once setup opened it
+        torn = 0
         if enabled:
+            torn = end_torn_lines(out / LOG_TEXT, out / LOG_JSONL)
             self.text = open(out / LOG_TEXT, "a", encoding="utf-8")  # noqa: SIM115 (see close)
             self.jsonl = open(out / LOG_JSONL, "a", encoding="utf-8")  # noqa: SIM115
+        if torn:
+            self.event(
+                "log_repaired", f"warning: {LOG_JSONL} ended in a torn line ({torn:,} bytes, "
+                "from an interrupted write): dropped before appending", dropped_bytes=torn,
+            )  # fmt: skip
 
     def event(self, kind: str, line: str | None = None, echo: bool = True, **fields: Any) -> None:
         """Log one event; `line` also goes to train.log and (echo, unless quiet) stderr."""

@@ -6,11 +6,13 @@ import json
 import signal
 import subprocess
 import sys
+from hashlib import sha256
 from pathlib import Path
 
 import pytest
 
 from attnmt import Translator
+from attnmt.apps.distill import save_progress
 
 from conftest import make_pairs, write_lines
 from helpers import wait_for
@@ -79,8 +81,14 @@ def test_distill_refuses_to_continue_with_other_settings(trained, source, tmp_pa
     model, _ = trained
     out = tmp_path / "d.txt"
     (tmp_path / "d.txt.partial").write_bytes(b"")
-    job = {"job": {"beam": 4}, "lines": 0, "bytes": 0, "total": 1500}
-    (tmp_path / "d.txt.distill.json").write_text(json.dumps(job))
+    job = {
+        "job": {"beam": 4},
+        "lines": 0,
+        "bytes": 0,
+        "total": 1500,
+        "sha256": sha256().hexdigest(),
+    }
+    save_progress(tmp_path / "d.txt.distill.json", job)
     r = run_cli(*_distill(model, source, out)[3:])
     assert r.code == 2 and "an interrupted distillation with other settings (beam" in r.stderr
     r = run_cli(*_distill(model, tmp_path / "missing.txt", out)[3:])

@@ -163,7 +163,8 @@ def test_8_a_body_too_large_is_refused_before_it_is_read(server):
         for _ in range(limits.max_body // 65536 + 2):
             yield b" " * 65536
 
-    r = httpx.post(f"{url}/translate", content=chunks(), timeout=30)
+    json_body = {"content-type": "application/json"}
+    r = httpx.post(f"{url}/translate", content=chunks(), headers=json_body, timeout=30)
     assert r.status_code == 413
 
 
