@@ -194,6 +194,12 @@ class ModelConfig(_Section):
     ff_size: int = Field(1024, ge=1, le=1_000_000)
     norm: Literal["pre", "post"] = "pre"
     attention_dropout: float = Field(0.1, ge=0.0, lt=1.0)
+    # The feed-forward layer's nonlinearity (Marian's transformer-ffn-activation: swish or relu).
+    activation: Literal["relu", "gelu", "swish"] = "relu"
+    # The sinusoidal table's layout: sin and cos interleaved (Vaswani et al.) or all sines
+    # then all cosines (Marian's, as transformers' MarianMTModel computes it).
+    positions: Literal["interleaved", "halves"] = "interleaved"
+    output_bias: bool = False  # a bias on the output projection (Marian's final_logits_bias)
     # both: share the target embedding with the output projection (and with the source
     # embedding when the vocabulary is joint)
     tie_embeddings: bool = True

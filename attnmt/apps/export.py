@@ -2,11 +2,12 @@
 inference engine with int8 and fp16 kernels.
 
 Our Transformer is one CTranslate2's TransformerSpec describes: pre- or post-norm residual
-blocks, sinusoidal positions added to embeddings scaled by sqrt(d), ReLU feed-forward,
-LayerNorm with torch's epsilon. Each of our modules is copied into the spec's slot for it;
-the positional table is ours (sin and cos interleaved), written out rather than left to
-CTranslate2's default (sin and cos concatenated). The source gets EOS appended as ours does
-(`add_source_eos`), so the exported model takes plain SentencePiece pieces.
+blocks, sinusoidal positions added to embeddings scaled by sqrt(d), a ReLU, GELU or swish
+feed-forward, an output bias or none, LayerNorm with torch's epsilon. Each of our modules is
+copied into the spec's slot for it; the positional table is ours (model.positions: sin and cos
+interleaved, or Marian's halves), written out rather than left to CTranslate2's default. The
+source gets EOS appended as ours does (`add_source_eos`), so the exported model takes plain
+SentencePiece pieces.
 """
 
 from __future__ import annotations
@@ -219,11 +220,14 @@ def transformer_spec(ct2: Any, net: TransformerSeq2Seq, heads: int, positions: i
     """CTranslate2's TransformerSpec holding net's weights; `positions` rows of positional
     table (the longest input or output CTranslate2 can then handle)."""
     ts = ct2.specs.transformer_spec
+    activation = net.encoder_layers[0].ff.activation  # model.activation
     spec = ts.TransformerSpec.from_config(
-        (len(net.encoder_layers), len(net.decoder_layers)), heads, pre_norm=net.pre_norm
-    )
+        (len(net.encoder_layers), len(net.decoder_layers)), heads, pre_norm=net.pre_norm,
+        activation=getattr(ct2.specs.common_spec.Activation, activation.upper()),
+    )  # fmt: skip
     enc, dec = spec.encoder, spec.decoder
-    table = _array(sinusoid_table(positions, net.src_embed.embed.embedding_dim))
+    dim, layout = net.src_embed.embed.embedding_dim, net.src_embed.layout  # model.positions
+    table = _array(sinusoid_table(positions, dim, layout=layout))
     enc.embeddings[0].weight = _array(net.src_embed.embed.weight)
     enc.position_encodings.encodings = table
     for layer_spec, layer in zip(enc.layer, net.encoder_layers, strict=True):

@@ -183,6 +183,35 @@ def average(
     typer.echo(f"{path}: mean of steps {', '.join(map(str, steps))}")
 
 
+@app.command("import")
+def import_model(
+    source: Annotated[Path, typer.Argument(help="A pretrained model (a directory).")],
+    out: Annotated[Path, typer.Option(
+        "--out", "-o", help="attnmt model directory to create.")],
+    format: Annotated[str, typer.Option(
+        "--format", help="The source's format (huggingface: a MarianMTModel directory).")
+    ] = "huggingface",
+    force: Annotated[bool, typer.Option("--force", help="Replace OUT if it exists.")] = False,
+) -> None:  # fmt: skip
+    """Import a pretrained model (OPUS-MT's MarianMT) as an attnmt model directory."""
+    from attnmt.apps.marian import import_huggingface
+
+    if format != "huggingface":
+        raise AttnmtError(f"--format {format!r}: expected huggingface")
+    done = import_huggingface(source, out, force)
+    for note in done.notes:
+        typer.echo(f"attnmt: note: {note}", err=True)
+    if done.unknown_pieces:
+        typer.echo(
+            f"attnmt: note: {done.unknown_pieces:,} SentencePiece pieces are not in vocab.json: "
+            "they read and write as <unk>", err=True,
+        )  # fmt: skip
+    typer.echo(
+        f"attnmt: imported {source} into {out}: {done.parameters:,} parameters, "
+        f"{done.src_pieces:,} / {done.tgt_pieces:,} source / target pieces", err=True,
+    )  # fmt: skip
+
+
 @app.command()
 def export(
     model: Annotated[Path, typer.Argument(help="Trained model directory (a Transformer).")],

@@ -122,6 +122,20 @@ class Hypothesis:
     attention: torch.Tensor | None = None  # (steps, S): one row per token, EOS included
 
 
+def pick_output(
+    logits: torch.Tensor, pick: Callable[[torch.Tensor], torch.Tensor], model: Seq2Seq
+) -> torch.Tensor:
+    """pick(logits) (B, V) -> (B,) among the tokens a translation may hold: never padding or
+    the start token (a model's probability for them is not a choice; transformers' Marian
+    models forbid the pad id the same way). The logits are restored after, for the scores."""
+    special = [model.pad_id, model.bos_id]
+    saved = logits[:, special].clone()  # (B, 2)
+    logits[:, special] = -torch.inf
+    nxt = pick(logits)
+    logits[:, special] = saved
+    return nxt
+
+
 def max_output_lengths(src_pad_mask: torch.Tensor, options: SearchOptions) -> torch.Tensor:
     """Per-sentence output limit a * source_length + b, at most max_output_len (EOS
     included): (B,) long."""
@@ -175,7 +189,7 @@ def greedy_search(
     attn_steps: list[torch.Tensor] = []  # per step: (B, S)
     for t in range(int(limits.max())):
         logits, state, attn = model.decode_step(memory, state, prev, attention)  # (B_r, V)
-        nxt = pick(logits)  # (B_r,)
+        nxt = pick_output(logits, pick, model)  # (B_r,)
         if scores:
             logp = torch.log_softmax(logits.float(), dim=-1).gather(1, nxt[:, None])  # (B_r, 1)
             total.index_add_(0, rows, logp.squeeze(1).masked_fill(~live, 0.0))
@@ -276,6 +290,7 @@ def beam_search(
         n = len(active)
         logits, state, attn = model.decode_step(memory, state, prev, attention)  # (n*K, V)
         logp = torch.log_softmax(logits.float(), dim=-1)  # (n*K, V)
+        logp[:, [model.pad_id, model.bos_id]] = -torch.inf  # never an output (normalised over all)
         top_scores, top_beam, top_tok = _best_candidates(scores, logp)  # (n, 2K) each
         if attn is not None:
             a = attn.float().unsqueeze(1)  # (n*K, 1, S)

@@ -351,8 +351,9 @@ def linear_cross_entropy(
     ignore_index: int,
     label_smoothing: float = 0.0,
     chunk: int = 1024,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed label-smoothed cross-entropy of F.linear(hidden, weight) against target.
+    """Summed label-smoothed cross-entropy of F.linear(hidden, weight, bias) against target.
 
     Same value and gradients as F.cross_entropy(F.linear(hidden, weight), target,
     ignore_index=..., label_smoothing=..., reduction="sum"). On CPU without building the
@@ -366,10 +367,16 @@ def linear_cross_entropy(
     """
     d = hidden.size(-1)
     keep = target.reshape(-1) != ignore_index  # (N,)
+    if bias is not None and not _use_plain_ops(hidden):  # the fused form has no bias: plain
+        logits = F.linear(hidden.reshape(-1, d)[keep], weight, bias).float()  # (n, V)
+        loss = F.cross_entropy(
+            logits, target.reshape(-1)[keep], label_smoothing=label_smoothing, reduction="sum"
+        )
+        return loss, keep.sum()
     if _use_plain_ops(hidden):
         # Every position through the projection, padding ignored by the loss: picking the real
         # positions first would make the host wait for the device to count them.
-        logits = F.linear(hidden.reshape(-1, d), weight).float()  # (N, V)
+        logits = F.linear(hidden.reshape(-1, d), weight, bias).float()  # (N, V)
         loss = F.cross_entropy(
             logits, target.reshape(-1), ignore_index=ignore_index,
             label_smoothing=label_smoothing, reduction="sum",

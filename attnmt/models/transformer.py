@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from attnmt.config import ModelConfig
@@ -22,50 +23,66 @@ from attnmt.models.attention import MultiHeadAttention, additive_mask
 from attnmt.models.seq2seq import AttentionSpec, Seq2Seq, gold_coins
 
 
-def sinusoid_table(length: int, dim: int, offset: int = 0) -> torch.Tensor:
+def sinusoid_table(
+    length: int, dim: int, offset: int = 0, layout: str = "interleaved"
+) -> torch.Tensor:
     """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...), for pos in
-    [offset, offset + length): (length, dim). Computed on demand, so any length works."""
+    [offset, offset + length): (length, dim). Computed on demand, so any length works.
+    layout "halves" (Marian's): the same sines in columns [0, ceil(d/2)), the cosines after."""
     pos = torch.arange(offset, offset + length, dtype=torch.float32).unsqueeze(1)  # (L, 1)
     div = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10000.0) / dim))
     table = torch.zeros(length, dim)
-    table[:, 0::2] = torch.sin(pos * div)  # (L, ceil(d/2))
-    table[:, 1::2] = torch.cos(pos * div)[:, : dim // 2]  # (L, floor(d/2))
+    sines, cosines = torch.sin(pos * div), torch.cos(pos * div)[:, : dim // 2]  # (L, ~d/2)
+    if layout == "halves":
+        return torch.cat([sines, cosines], dim=1)  # (L, d)
+    table[:, 0::2] = sines  # (L, ceil(d/2))
+    table[:, 1::2] = cosines  # (L, floor(d/2))
     return table
 
 
 class Embeddings(nn.Module):
     """Token embedding × sqrt(d) + sinusoidal position, then dropout (sec. 3.4, 3.5)."""
 
-    def __init__(self, embed: nn.Embedding, dropout: float) -> None:
+    def __init__(self, embed: nn.Embedding, dropout: float, layout: str = "interleaved") -> None:
         super().__init__()
         self.embed = embed
         self.scale = math.sqrt(embed.embedding_dim)
+        self.layout = layout
         self.dropout = Dropout(dropout, inplace=True)  # on a sum autograd does not keep
-        self.register_buffer("pe", sinusoid_table(512, embed.embedding_dim), persistent=False)
+        table = sinusoid_table(512, embed.embedding_dim, layout=layout)
+        self.register_buffer("pe", table, persistent=False)
 
     def forward(self, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """tokens (B, T) at positions offset..offset+T-1 -> (B, T, d)."""
         T = tokens.size(1)
         if offset + T > self.pe.size(0):
-            pe = sinusoid_table(offset + T, self.pe.size(1)).to(self.pe.device, self.pe.dtype)
+            pe = sinusoid_table(offset + T, self.pe.size(1), layout=self.layout)
+            pe = pe.to(self.pe.device, self.pe.dtype)
         else:
             pe = self.pe
         x = self.embed(tokens) * self.scale + pe[offset : offset + T]  # (B, T, d)
         return self.dropout(x)
 
 
-class FeedForward(nn.Module):
-    """FFN(x) = W_2 dropout(ReLU(W_1 x)) (sec. 3.3)."""
+ACTIVATIONS = {"gelu": F.gelu, "swish": F.silu}  # swish(x) = x sigmoid(x); relu: the kernel
 
-    def __init__(self, d_model: int, ff_size: int, dropout: float) -> None:
+
+class FeedForward(nn.Module):
+    """FFN(x) = W_2 dropout(act(W_1 x)) (sec. 3.3), act ReLU (or GELU, swish)."""
+
+    def __init__(self, d_model: int, ff_size: int, dropout: float, activation: str = "relu"):
         super().__init__()
         self.w_1 = Linear(d_model, ff_size)
         self.w_2 = Linear(ff_size, d_model)
         self.p = dropout
+        self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., d) -> (..., d)."""
-        return feed_forward(x, self.w_1, self.w_2, self.p, self.training)
+        if self.activation == "relu":
+            return feed_forward(x, self.w_1, self.w_2, self.p, self.training)
+        h = ACTIVATIONS[self.activation](self.w_1(x))  # (..., ff)
+        return self.w_2(F.dropout(h, self.p, self.training))  # (..., d)
 
 
 class Residual(nn.Module):
@@ -92,7 +109,7 @@ class EncoderLayer(nn.Module):
         super().__init__()
         d, pre = cfg.hidden_size, cfg.norm == "pre"
         self.self_attn = MultiHeadAttention(d, cfg.heads, dropout=cfg.attention_dropout)
-        self.ff = FeedForward(d, cfg.ff_size, cfg.dropout)
+        self.ff = FeedForward(d, cfg.ff_size, cfg.dropout, cfg.activation)
         self.res_attn = Residual(d, cfg.dropout, pre)
         self.res_ff = Residual(d, cfg.dropout, pre)
 
@@ -134,7 +151,7 @@ class DecoderLayer(nn.Module):
         d, pre = cfg.hidden_size, cfg.norm == "pre"
         self.self_attn = MultiHeadAttention(d, cfg.heads, dropout=cfg.attention_dropout)
         self.cross_attn = MultiHeadAttention(d, cfg.heads, dropout=cfg.attention_dropout)
-        self.ff = FeedForward(d, cfg.ff_size, cfg.dropout)
+        self.ff = FeedForward(d, cfg.ff_size, cfg.dropout, cfg.activation)
         self.res_self = Residual(d, cfg.dropout, pre)
         self.res_cross = Residual(d, cfg.dropout, pre)
         self.res_ff = Residual(d, cfg.dropout, pre)
@@ -225,14 +242,14 @@ class TransformerSeq2Seq(Seq2Seq):
         tgt_embed = nn.Embedding(tgt_vocab, d, padding_idx=self.pad_id)
         share_src = joint and cfg.tie_embeddings
         src_embed = tgt_embed if share_src else nn.Embedding(src_vocab, d, self.pad_id)
-        self.src_embed = Embeddings(src_embed, cfg.dropout)
-        self.tgt_embed = Embeddings(tgt_embed, cfg.dropout)
+        self.src_embed = Embeddings(src_embed, cfg.dropout, cfg.positions)
+        self.tgt_embed = Embeddings(tgt_embed, cfg.dropout, cfg.positions)
         self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.enc_layers))
         self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.dec_layers))
         # Pre-norm stacks end with a LayerNorm: the residual stream itself is never normalised.
         self.enc_norm = nn.LayerNorm(d) if self.pre_norm else nn.Identity()
         self.dec_norm = nn.LayerNorm(d) if self.pre_norm else nn.Identity()
-        self.output = Linear(d, tgt_vocab, bias=False)
+        self.output = Linear(d, tgt_vocab, bias=cfg.output_bias)
         self._init_weights(d)
         if cfg.tie_embeddings:
             self.output.weight = tgt_embed.weight
@@ -247,6 +264,8 @@ class TransformerSeq2Seq(Seq2Seq):
         with torch.no_grad():
             self.src_embed.embed.weight[self.pad_id].zero_()
             self.tgt_embed.embed.weight[self.pad_id].zero_()
+            if self.output.bias is not None:
+                self.output.bias.zero_()
 
     # --- the seq2seq interface ---
 
@@ -344,4 +363,6 @@ class TransformerSeq2Seq(Seq2Seq):
             shifted = torch.cat([tgt_in[:, :1], predicted[:, :-1]], dim=1)  # (B, T)
             tgt_in = torch.where(use_gold, tgt_in, shifted)
         h, _ = self.decode_hidden(memory, tgt_in)  # (B, T, d)
-        return linear_cross_entropy(h, self.output.weight, batch.tgt_out, PAD_ID, label_smoothing)
+        return linear_cross_entropy(
+            h, self.output.weight, batch.tgt_out, PAD_ID, label_smoothing, bias=self.output.bias
+        )

@@ -1,0 +1,311 @@
+"""Pretrained Marian models in: a Hugging Face `MarianMTModel` directory (OPUS-MT's published
+form) becomes an ordinary attnmt model directory (`attnmt import`).
+
+What such a model is (transformers' models/marian): a post-norm Transformer (no final stack
+norm, no embedding norm), FFN activation swish or relu, embeddings scaled by sqrt(d), a static
+sinusoidal table with all sines before all cosines, an output bias (final_logits_bias), source
+and target SentencePiece models (source.spm, target.spm) whose pieces map to the model's ids
+through one vocab.json (`</s>` = 0, `<pad>` the last), and a decoder that starts from the pad
+id. Each of these is an attnmt config key (model.norm post, model.activation, model.positions
+halves, model.output_bias); the ids are matched by reordering the embedding and output rows to
+attnmt's tokenizer ids (pad 0, unk 1, bos 2, eos 3), the start token taking the pad row. What
+attnmt cannot express is refused in one line naming the setting.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnmt.config import Config, ModelConfig, from_dict
+from attnmt.data.files import atomic_write_bytes
+from attnmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, SubwordVocab, Tokenizer
+from attnmt.errors import CheckpointError
+from attnmt.models.build import build_model
+from attnmt.models.directory import (
+    BEST_FILE,
+    META_FILE,
+    save_weights,
+    tokenizer_digest,
+    tokenizer_shas,
+    write_run_files,
+)
+from attnmt.models.transformer import sinusoid_table
+
+ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "swish": "swish", "silu": "swish"}
+# transformers' layer names -> attnmt's, per encoder and decoder layer.
+ENCODER_NAMES = {
+    "self_attn": "self_attn", "self_attn_layer_norm": "res_attn.norm", "fc1": "ff.w_1",
+    "fc2": "ff.w_2", "final_layer_norm": "res_ff.norm",
+}  # fmt: skip
+DECODER_NAMES = {
+    "self_attn": "self_attn", "self_attn_layer_norm": "res_self.norm",
+    "encoder_attn": "cross_attn", "encoder_attn_layer_norm": "res_cross.norm",
+    "fc1": "ff.w_1", "fc2": "ff.w_2", "final_layer_norm": "res_ff.norm",
+}  # fmt: skip
+
+
+@dataclass
+class Imported:
+    parameters: int
+    src_pieces: int
+    tgt_pieces: int
+    unknown_pieces: int  # SentencePiece pieces vocab.json lacks: they take <unk>'s row
+    notes: list[str]
+
+
+def import_huggingface(source: Path, out: Path, force: bool = False) -> Imported:
+    """Write the attnmt model directory `out` from the MarianMTModel directory `source`."""
+    files = _source_files(source)
+    hf = _read_json(files["config"])
+    cfg_model, notes = model_config(hf, files["config"])
+    weights = _read_weights(files["weights"])
+    vocab = {str(k): int(v) for k, v in _read_json(files["vocab"]).items()}
+    shared = _embeddings_shared(hf, weights)
+    joint = files["source_spm"].read_bytes() == files["target_spm"].read_bytes() and shared
+    paths = [files["source_spm"]] if joint else [files["source_spm"], files["target_spm"]]
+    tokenizer = Tokenizer.from_files(paths)
+    pad = int(hf["pad_token_id"])
+    special = {  # the decoder starts from decoder_start_token_id: attnmt's BOS takes its row
+        PAD_ID: pad,
+        BOS_ID: int(hf.get("decoder_start_token_id", pad)),
+        EOS_ID: int(hf["eos_token_id"]),
+        UNK_ID: vocab.get("<unk>", pad),
+    }
+    src_rows, missing_src = model_rows(tokenizer.src, vocab, special)
+    tgt_rows, missing_tgt = model_rows(tokenizer.tgt, vocab, special)
+    model = build_model(cfg_model, len(tokenizer.src), len(tokenizer.tgt), joint)
+    state = attnmt_state(hf, weights, src_rows, tgt_rows, cfg_model, files["weights"])
+    model.load_state_dict(state, strict=True)
+    cfg = _config(cfg_model, hf, source, out, joint)
+    _write(out, force, cfg, tokenizer, model, source)
+    return Imported(
+        sum(p.numel() for p in model.parameters()), len(tokenizer.src), len(tokenizer.tgt),
+        missing_src + missing_tgt, notes,
+    )  # fmt: skip
+
+
+def _source_files(source: Path) -> dict[str, Path]:
+    if not source.is_dir():
+        raise CheckpointError(f"{source}: not a directory (a Hugging Face MarianMT model)")
+    files = {
+        "config": source / "config.json", "vocab": source / "vocab.json",
+        "source_spm": source / "source.spm", "target_spm": source / "target.spm",
+    }  # fmt: skip
+    for path in files.values():
+        if not path.is_file():
+            raise CheckpointError(f"{source}: no {path.name} (a MarianMT model directory has it)")
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        if (source / name).is_file():
+            return {**files, "weights": source / name}
+    raise CheckpointError(f"{source}: no model.safetensors or pytorch_model.bin")
+
+
+def _read_json(path: Path) -> Any:
+    if path.stat().st_size > 64 << 20:
+        raise CheckpointError(f"{path}: {path.stat().st_size:,} bytes; not a model's JSON file")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not JSON ({e})") from None
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The state dict, read without unpickling code (safetensors, or weights_only)."""
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(path))
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a damaged or crafted file: one line
+        raise CheckpointError(f"{path}: unreadable weights ({type(e).__name__}: {e})") from None
+
+
+def model_config(hf: dict[str, Any], where: Path) -> tuple[ModelConfig, list[str]]:
+    """The attnmt model section of a MarianConfig, or CheckpointError naming the setting that
+    attnmt's Transformer cannot express."""
+
+    def refuse(setting: str, why: str) -> CheckpointError:
+        return CheckpointError(f"{where}: {setting} = {hf.get(setting)!r}: {why}")
+
+    if hf.get("model_type") != "marian":
+        raise refuse("model_type", "attnmt imports MarianMT models only")
+    if hf.get("encoder_attention_heads") != hf.get("decoder_attention_heads"):
+        raise refuse("decoder_attention_heads", "attnmt has one head count for both stacks")
+    if hf.get("encoder_ffn_dim") != hf.get("decoder_ffn_dim"):
+        raise refuse("decoder_ffn_dim", "attnmt has one feed-forward width for both stacks")
+    if hf.get("activation_function") not in ACTIVATIONS:
+        raise refuse("activation_function", f"attnmt has {', '.join(sorted(ACTIVATIONS))}")
+    if not hf.get("scale_embedding", False):
+        raise refuse("scale_embedding", "attnmt scales embeddings by sqrt(d)")
+    for flag in ("normalize_before", "add_final_layer_norm", "normalize_embedding"):
+        if hf.get(flag):
+            raise refuse(flag, "attnmt imports post-norm models without extra norms")
+    if hf.get("decoder_vocab_size") not in (None, hf.get("vocab_size")):
+        raise refuse("decoder_vocab_size", "attnmt imports one vocabulary for both sides")
+    notes = []
+    if hf.get("dropout", 0.1) != hf.get("attention_dropout", 0.0):
+        notes.append("dropout and attention_dropout kept as the source has them")
+    d = int(hf["d_model"])
+    cfg = ModelConfig(
+        arch="transformer", emb_size=d, hidden_size=d, heads=int(hf["encoder_attention_heads"]),
+        ff_size=int(hf["encoder_ffn_dim"]), enc_layers=int(hf["encoder_layers"]),
+        dec_layers=int(hf["decoder_layers"]), dropout=float(hf.get("dropout", 0.1)),
+        attention_dropout=float(hf.get("attention_dropout", 0.0)), norm="post",
+        activation=ACTIVATIONS[hf["activation_function"]], positions="halves", output_bias=True,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+    )  # fmt: skip
+    return cfg, notes
+
+
+def _embeddings_shared(hf: dict[str, Any], weights: dict[str, torch.Tensor]) -> bool:
+    """Whether the encoder and decoder embeddings are one matrix (and tied to the output)."""
+    if not hf.get("share_encoder_decoder_embeddings", True):
+        return False
+    enc, dec = weights.get("model.encoder.embed_tokens.weight"), _embedding(weights, "decoder")
+    return bool(hf.get("tie_word_embeddings", True)) and (enc is None or torch.equal(enc, dec))
+
+
+def _embedding(weights: dict[str, torch.Tensor], stack: str) -> torch.Tensor:
+    found = weights.get(f"model.{stack}.embed_tokens.weight", weights.get("model.shared.weight"))
+    if found is None:
+        raise CheckpointError(f"no {stack} embedding (model.{stack}.embed_tokens.weight)")
+    return found
+
+
+def model_rows(
+    side: SubwordVocab, vocab: dict[str, int], special: dict[int, int]
+) -> tuple[list[int], int]:
+    """For each attnmt id of a SentencePiece model, the model id (vocab.json) of its piece; the
+    special ids as `special` maps them; a piece vocab.json lacks takes <unk>'s. Returns the
+    rows and how many pieces were missing."""
+    rows, missing = [], 0
+    for i in range(len(side)):
+        if i in special:
+            rows.append(special[i])
+            continue
+        piece = side.sp.id_to_piece(i)
+        missing += piece not in vocab
+        rows.append(vocab.get(piece, special[UNK_ID]))
+    return rows, missing
+
+
+def attnmt_state(
+    hf: dict[str, Any],
+    weights: dict[str, torch.Tensor],
+    src_rows: list[int],
+    tgt_rows: list[int],
+    cfg: ModelConfig,
+    where: Path,
+) -> dict[str, torch.Tensor]:
+    """attnmt's state dict from transformers' (names mapped, vocabulary rows reordered)."""
+    used = {"final_logits_bias", "lm_head.weight", "model.shared.weight"}
+    bias = weights.get("final_logits_bias")  # (1, V)
+    state = {
+        "src_embed.embed.weight": _embedding(weights, "encoder")[src_rows],
+        "tgt_embed.embed.weight": _embedding(weights, "decoder")[tgt_rows],
+        "output.weight": weights.get("lm_head.weight", _embedding(weights, "decoder"))[tgt_rows],
+        "output.bias": torch.zeros(len(tgt_rows)) if bias is None else bias.reshape(-1)[tgt_rows],
+    }
+    used |= {"model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight"}
+    for stack, names, n in (
+        ("encoder", ENCODER_NAMES, cfg.enc_layers),
+        ("decoder", DECODER_NAMES, cfg.dec_layers),
+    ):
+        for i in range(n):
+            for theirs, ours in names.items():
+                for kind in _kinds(theirs):
+                    key = f"model.{stack}.layers.{i}.{theirs}.{kind}"
+                    if key not in weights:
+                        raise CheckpointError(f"{where.parent}: the weights lack {key}")
+                    state[f"{stack}_layers.{i}.{ours}.{kind}"] = weights[key]
+                    used.add(key)
+    # attnmt's start token (BOS) takes the pad row as input; as an output it must not count
+    # twice in the softmax (transformers normalises over the pad id once): a bias of -100
+    # leaves it e^-100 of the mass, which no float adds.
+    state["output.bias"] = state["output.bias"].clone()
+    state["output.bias"][BOS_ID] = -100.0
+    _check_positions(weights, cfg, where)
+    extra = sorted(k for k in weights if k not in used and ".embed_positions." not in k)
+    if extra:
+        raise CheckpointError(
+            f"{where}: {extra[0]} (and {len(extra) - 1} more) has no place in attnmt's "
+            "Transformer; refused rather than dropped"
+        )
+    return {k: v.float().contiguous() for k, v in state.items()}
+
+
+def _kinds(name: str) -> list[str]:
+    """The tensors of a transformers submodule: projections' weight and bias each."""
+    if name in ("self_attn", "encoder_attn"):
+        return [f"{p}_proj.{t}" for p in ("q", "k", "v", "out") for t in ("weight", "bias")]
+    return ["weight", "bias"]
+
+
+def _check_positions(weights: dict[str, torch.Tensor], cfg: ModelConfig, where: Path) -> None:
+    """A stored position table must be the one attnmt computes (model.positions halves)."""
+    for stack in ("encoder", "decoder"):
+        table = weights.get(f"model.{stack}.embed_positions.weight")
+        if table is None:
+            continue
+        ours = sinusoid_table(table.size(0), table.size(1), layout=cfg.positions)
+        if not torch.allclose(table.float(), ours, atol=1e-4):
+            raise CheckpointError(
+                f"{where}: model.{stack}.embed_positions is not the sinusoid table attnmt "
+                "computes (model.positions halves)"
+            )
+
+
+def _config(
+    cfg_model: ModelConfig, hf: dict[str, Any], source: Path, out: Path, joint: bool
+) -> Config:
+    """The model directory's config: the imported model, its tokenizer files (the directory's
+    own, conformed), decoding defaults from the source; data names the source (no corpus)."""
+    target = out.resolve()
+    files = [Tokenizer.JOINT_FILE] if joint else [Tokenizer.SRC_FILE, Tokenizer.TGT_FILE]
+    keys = ["model"] if joint else ["src_model", "tgt_model"]
+    spm = {k: str(target / name) for k, name in zip(keys, files, strict=True)}
+    origin = {
+        "src": str(source.resolve() / "source.spm"),
+        "tgt": str(source.resolve() / "target.spm"),
+    }
+    raw: dict[str, Any] = {
+        "data": {
+            "train": origin,
+            "dev": origin,
+            "max_len": int(hf.get("max_position_embeddings", 512)),
+        },
+        "tokenizer": {"joint": joint, **spm},
+        "model": cfg_model.model_dump(mode="json"),
+        "decode": {"beam": int(hf.get("num_beams") or 5)},
+    }
+    return from_dict(raw)
+
+
+def _write(
+    out: Path, force: bool, cfg: Config, tokenizer: Tokenizer, model: Any, source: Path
+) -> None:
+    """The model directory, built beside `out` and renamed into place: never half-written."""
+    if out.exists() and not force:
+        raise CheckpointError(f"--out {out}: exists; --force replaces it")
+    tmp = out.with_name(f".{out.name}.import.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        write_run_files(tmp, cfg, tokenizer)
+        meta = json.loads((tmp / META_FILE).read_text(encoding="utf-8"))
+        meta["imported_from"] = {"format": "huggingface", "path": str(source.resolve())}
+        atomic_write_bytes(tmp / META_FILE, json.dumps(meta, indent=2).encode("utf-8"))
+        save_weights(model, tmp / BEST_FILE, tokenizer_digest(tokenizer_shas(tokenizer)))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
