@@ -309,3 +309,93 @@ def _write(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+# --- out: an attnmt model as a MarianMTModel directory (`attnmt export --format huggingface`) ---
+
+
+def export_huggingface(
+    model_dir: Path, out: Path, weights: str = "best", force: bool = False
+) -> int:
+    """Write the MarianMTModel directory `out` (config.json, model.safetensors, source.spm,
+    target.spm, vocab.json) for the attnmt model in `model_dir`, which must be a post-norm
+    Transformer with Marian's position table and one SentencePiece model (what MarianMTModel
+    expresses); returns the parameter count. The ids stay attnmt's: vocab.json maps each piece
+    to its attnmt id, pad 0, the decoder starting from BOS (2), </s> 3."""
+    from safetensors.torch import save_file
+
+    from attnmt.models.directory import load_model_dir
+
+    cfg, tokenizer, model = load_model_dir(model_dir, weights)
+    m = cfg.model
+    why = (
+        "a GRU model" if m.arch != "transformer" else
+        "pre-norm (MarianMTModel is post-norm)" if m.norm != "post" else
+        "model.positions interleaved (MarianMTModel computes the halves table)"
+        if m.positions != "halves" else
+        "two SentencePiece models (MarianMTModel here takes one vocabulary)" if not tokenizer.joint
+        else None
+    )  # fmt: skip
+    if why is not None:
+        raise CheckpointError(f"{model_dir}: cannot be a MarianMTModel: {why}")
+    V, positions = len(tokenizer.tgt), max(cfg.decode.max_output_len, cfg.decode.max_src_len) + 2
+    state = hf_state(model, m, positions)
+    hf_config = {
+        "model_type": "marian", "architectures": ["MarianMTModel"], "vocab_size": V,
+        "d_model": m.hidden_size, "encoder_layers": m.enc_layers, "decoder_layers": m.dec_layers,
+        "encoder_attention_heads": m.heads, "decoder_attention_heads": m.heads,
+        "encoder_ffn_dim": m.ff_size, "decoder_ffn_dim": m.ff_size,
+        "activation_function": m.activation, "max_position_embeddings": positions,
+        "scale_embedding": True, "pad_token_id": PAD_ID, "eos_token_id": EOS_ID,
+        "decoder_start_token_id": BOS_ID, "forced_eos_token_id": EOS_ID,
+        "bad_words_ids": [[PAD_ID], [BOS_ID]], "num_beams": cfg.decode.beam,
+        "max_length": positions - 2, "dropout": m.dropout, "attention_dropout": m.attention_dropout,
+        "share_encoder_decoder_embeddings": m.tie_embeddings,
+        "tie_word_embeddings": m.tie_embeddings,
+    }  # fmt: skip
+    vocab = {tokenizer.tgt.sp.id_to_piece(i): i for i in range(V)}
+    if out.exists() and not force:
+        raise CheckpointError(f"{out}: exists; --force replaces it")
+    tmp = out.with_name(f".{out.name}.export.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+        (tmp / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
+        for name in ("source.spm", "target.spm"):
+            (tmp / name).write_bytes(tokenizer.src.proto)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return sum(p.numel() for p in model.parameters())
+
+
+def hf_state(model: Any, m: ModelConfig, positions: int) -> dict[str, torch.Tensor]:
+    """transformers' state dict of an attnmt Transformer (attnmt_state's inverse, ids kept)."""
+    sd = model.state_dict()
+    table = sinusoid_table(positions, m.hidden_size, layout="halves")
+    bias = sd.get("output.bias", torch.zeros(sd["output.weight"].size(0)))
+    state = {
+        "model.shared.weight": sd["tgt_embed.embed.weight"],
+        "model.encoder.embed_tokens.weight": sd["src_embed.embed.weight"],
+        "model.decoder.embed_tokens.weight": sd["tgt_embed.embed.weight"],
+        "lm_head.weight": sd["output.weight"], "final_logits_bias": bias.reshape(1, -1),
+        "model.encoder.embed_positions.weight": table,
+        "model.decoder.embed_positions.weight": table,
+    }  # fmt: skip
+    for stack, names, n in (
+        ("encoder", ENCODER_NAMES, m.enc_layers),
+        ("decoder", DECODER_NAMES, m.dec_layers),
+    ):
+        for i in range(n):
+            for theirs, ours in names.items():
+                for kind in _kinds(theirs):
+                    state[f"model.{stack}.layers.{i}.{theirs}.{kind}"] = sd[
+                        f"{stack}_layers.{i}.{ours}.{kind}"
+                    ]
+    # safetensors stores each tensor once: tied ones become copies (transformers ties them).
+    return {k: v.detach().float().clone().contiguous() for k, v in state.items()}

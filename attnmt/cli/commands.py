@@ -217,7 +217,8 @@ def export(
     model: Annotated[Path, typer.Argument(help="Trained model directory (a Transformer).")],
     out: Annotated[Path, typer.Argument(help="Directory to write the exported model to.")],
     format: Annotated[str, typer.Option(
-        "--format", help="Target runtime (ctranslate2).")] = "ctranslate2",
+        "--format", help="ctranslate2, or huggingface (a MarianMTModel directory).")
+    ] = "ctranslate2",
     weights: Annotated[str, typer.Option(
         "--weights", help="best, last, averaged, step-N or a file.")] = "best",
     quantization: Annotated[str | None, typer.Option(
@@ -228,14 +229,24 @@ def export(
         "(default: the dev set's).")] = None,
 ) -> None:  # fmt: skip
     """Export a Transformer to CTranslate2 (pip install 'attnmt[export]'), tokenizer included,
-    and report how many sentences it translates exactly as attnmt does."""
+    and report how many sentences it translates exactly as attnmt does; or, --format
+    huggingface, as a MarianMTModel directory for transformers."""
     from attnmt.apps.export import export_ctranslate2, report_agreement
     from attnmt.data.text import check_input
 
-    if format != "ctranslate2":
-        raise AttnmtError(f"--format {format!r}: expected ctranslate2")
+    if format not in ("ctranslate2", "huggingface"):
+        raise AttnmtError(f"--format {format!r}: expected ctranslate2 or huggingface")
     if not model.is_dir():
         raise AttnmtError(f"model directory not found: {model}")
+    if format == "huggingface":
+        if quantization is not None or check is not None:
+            raise AttnmtError("--quantization and --check are for --format ctranslate2")
+        from attnmt.apps.marian import export_huggingface
+
+        n = export_huggingface(model, out, weights, force)
+        typer.echo(f"{out}: a MarianMTModel of {n:,} parameters (config.json, model.safetensors, "
+                   "source.spm, target.spm, vocab.json)")  # fmt: skip
+        return
     if check is not None:
         check_input(check)
     files = export_ctranslate2(model, out, weights, quantization, force)
