@@ -7,6 +7,7 @@ resolved config (absolute paths, defaults filled in) is what the model directory
 
 from __future__ import annotations
 
+import difflib
 import re
 import reprlib
 from pathlib import Path
@@ -343,8 +344,13 @@ def _format_error(err: ValidationError) -> str:
     kind = first["type"]
     if kind == "extra_forbidden":
         parent = _section_at(first["loc"][:-1])
-        allowed = ", ".join(parent.model_fields) if parent else "none"
-        return f"config: unknown key '{loc}' (value {quote(value)}); allowed keys here: {allowed}"
+        names = list(parent.model_fields) if parent else []
+        close = difflib.get_close_matches(str(first["loc"][-1]), names, n=1, cutoff=0.6)
+        hint = f" did you mean '{close[0]}'?" if close else ""
+        return (
+            f"config: unknown key '{loc}' (value {quote(value)});{hint} allowed keys here: "
+            f"{', '.join(names) or 'none'}"
+        )
     if kind == "missing":
         return f"config: missing required key '{loc}'"
     msg = first["msg"].removeprefix("Value error, ")

@@ -2,6 +2,7 @@
 # Quickstart: build a German->English number-words corpus, train a small Transformer on it,
 # translate a few test sentences and print the test BLEU as the last line.
 #   scripts/quickstart.sh [OUT_DIR]        (default: runs/quickstart)
+# ATTNMT_THREADS=1: train with one thread (faster on a machine busy with other work).
 set -euo pipefail
 out=${1:-runs/quickstart}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -10,6 +11,7 @@ start=$(date +%s)
 
 python "$here/make_numbers.py" "$data"
 attnmt train --config "$here/../configs/quickstart.yaml" --out "$out/model" --overwrite \
+  --set train.threads="${ATTNMT_THREADS:-0}" \
   --set data.train.src="$data/train.de" --set data.train.tgt="$data/train.en" \
   --set data.dev.src="$data/dev.de" --set data.dev.tgt="$data/dev.en"
 

@@ -26,7 +26,12 @@ def test_defaults_filled_in():
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        ("train.lrr=0.1", "unknown key 'train.lrr' (value 0.1); allowed keys here: max_steps"),
+        ("train.lrr=0.1", "unknown key 'train.lrr' (value 0.1); did you mean 'lr'? allowed keys"),
+        (
+            "train.batch_token=9",
+            "unknown key 'train.batch_token' (value 9); did you mean "
+            "'batch_tokens'? allowed keys here: max_steps",
+        ),
         ("train.lr=fast", "'train.lr' = 'fast': Input should be a valid number"),
         ("train.lr=-1", "'train.lr' = -1: Input should be greater than 0"),
         ("model.arch=lstm", "'model.arch' = 'lstm': Input should be 'rnn' or 'transformer'"),

@@ -14,8 +14,11 @@ attnmt cannot express is refused in one line naming the setting.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -214,18 +217,11 @@ def attnmt_state(
         "output.bias": torch.zeros(len(tgt_rows)) if bias is None else bias.reshape(-1)[tgt_rows],
     }
     used |= {"model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight"}
-    for stack, names, n in (
-        ("encoder", ENCODER_NAMES, cfg.enc_layers),
-        ("decoder", DECODER_NAMES, cfg.dec_layers),
-    ):
-        for i in range(n):
-            for theirs, ours in names.items():
-                for kind in _kinds(theirs):
-                    key = f"model.{stack}.layers.{i}.{theirs}.{kind}"
-                    if key not in weights:
-                        raise CheckpointError(f"{where.parent}: the weights lack {key}")
-                    state[f"{stack}_layers.{i}.{ours}.{kind}"] = weights[key]
-                    used.add(key)
+    for theirs, ours in layer_names(cfg):
+        if theirs not in weights:
+            raise CheckpointError(f"{where.parent}: the weights lack {theirs}")
+        state[ours] = weights[theirs]
+        used.add(theirs)
     # attnmt's start token (BOS) takes the pad row as input; as an output it must not count
     # twice in the softmax (transformers normalises over the pad id once): a bias of -100
     # leaves it e^-100 of the mass, which no float adds.
@@ -239,6 +235,20 @@ def attnmt_state(
             "Transformer; refused rather than dropped"
         )
     return {k: v.float().contiguous() for k, v in state.items()}
+
+
+def layer_names(cfg: ModelConfig) -> Iterator[tuple[str, str]]:
+    """(transformers' name, attnmt's name) of every tensor of every encoder and decoder layer."""
+    for stack, names, n in (
+        ("encoder", ENCODER_NAMES, cfg.enc_layers),
+        ("decoder", DECODER_NAMES, cfg.dec_layers),
+    ):
+        for i, (theirs, ours) in itertools.product(range(n), names.items()):
+            for kind in _kinds(theirs):
+                yield (
+                    f"model.{stack}.layers.{i}.{theirs}.{kind}",
+                    f"{stack}_layers.{i}.{ours}.{kind}",
+                )
 
 
 def _kinds(name: str) -> list[str]:
@@ -292,17 +302,25 @@ def _write(
     out: Path, force: bool, cfg: Config, tokenizer: Tokenizer, model: Any, source: Path
 ) -> None:
     """The model directory, built beside `out` and renamed into place: never half-written."""
-    if out.exists() and not force:
-        raise CheckpointError(f"--out {out}: exists; --force replaces it")
-    tmp = out.with_name(f".{out.name}.import.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with built_beside(out, force, "import") as tmp:
         write_run_files(tmp, cfg, tokenizer)
         meta = json.loads((tmp / META_FILE).read_text(encoding="utf-8"))
         meta["imported_from"] = {"format": "huggingface", "path": str(source.resolve())}
         atomic_write_bytes(tmp / META_FILE, json.dumps(meta, indent=2).encode("utf-8"))
         save_weights(model, tmp / BEST_FILE, tokenizer_digest(tokenizer_shas(tokenizer)))
+
+
+@contextlib.contextmanager
+def built_beside(out: Path, force: bool, what: str) -> Iterator[Path]:
+    """A directory made beside `out` and renamed to it when the block succeeds (removed when
+    it fails): `out` is never half-written. An existing `out` is refused unless `force`."""
+    if out.exists() and not force:
+        raise CheckpointError(f"{out}: exists; --force replaces it")
+    tmp = out.with_name(f".{out.name}.{what}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -354,23 +372,12 @@ def export_huggingface(
         "tie_word_embeddings": m.tie_embeddings,
     }  # fmt: skip
     vocab = {tokenizer.tgt.sp.id_to_piece(i): i for i in range(V)}
-    if out.exists() and not force:
-        raise CheckpointError(f"{out}: exists; --force replaces it")
-    tmp = out.with_name(f".{out.name}.export.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with built_beside(out, force, "export") as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
         (tmp / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
         for name in ("source.spm", "target.spm"):
             (tmp / name).write_bytes(tokenizer.src.proto)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return sum(p.numel() for p in model.parameters())
 
 
@@ -387,15 +394,6 @@ def hf_state(model: Any, m: ModelConfig, positions: int) -> dict[str, torch.Tens
         "model.encoder.embed_positions.weight": table,
         "model.decoder.embed_positions.weight": table,
     }  # fmt: skip
-    for stack, names, n in (
-        ("encoder", ENCODER_NAMES, m.enc_layers),
-        ("decoder", DECODER_NAMES, m.dec_layers),
-    ):
-        for i in range(n):
-            for theirs, ours in names.items():
-                for kind in _kinds(theirs):
-                    state[f"model.{stack}.layers.{i}.{theirs}.{kind}"] = sd[
-                        f"{stack}_layers.{i}.{ours}.{kind}"
-                    ]
+    state |= {theirs: sd[ours] for theirs, ours in layer_names(m)}
     # safetensors stores each tensor once: tied ones become copies (transformers ties them).
     return {k: v.detach().float().clone().contiguous() for k, v in state.items()}

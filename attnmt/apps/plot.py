@@ -46,6 +46,10 @@ def read_curves(model_dir: Path) -> Curves:
     curves = Curves(model_dir.name or str(model_dir))
     for step, e in sorted(train.items()):
         curves.loss.append((step, e["elapsed_s"] / 60, e["loss"]))
+    # The lr of train events (every train.log_every steps) and of validations: a short run
+    # that logs few train events still shows its decay.
+    lrs = {step: e for step, e in dev.items() if _is_number(e.get("lr"))} | train
+    for step, e in sorted(lrs.items()):
         curves.lr.append((step, e["elapsed_s"] / 60, e["lr"]))
     for step, e in sorted(dev.items()):
         curves.dev_loss.append((step, e["elapsed_s"] / 60, e["dev_loss"]))

@@ -562,25 +562,25 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def run(app: FastAPI, host: str, port: int, name: str) -> None:
-    """Serve `app` on host:port until SIGINT (exit code 130, as the other commands) or SIGTERM;
-    requests in flight get one second to finish, and busy search threads do not hold it up."""
+    """Serve `app` on host:port until SIGINT (exit code 130, as the other commands) or SIGTERM
+    (143), at once, whatever the search threads are doing."""
     import uvicorn
 
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # A search thread may be inside torch for seconds, and a graceful shutdown would
+            # wait for it; the interpreter's exit would run destructors under its thread pool
+            # (seen: "terminate called without an active exception"). The process ends now.
+            print(f"attnmt: {'interrupted' if sig == 2 else 'terminated'}", file=sys.stderr)
+            sys.stderr.flush()
+            sys.stdout.flush()
+            os._exit(128 + sig)
+
     sock = listen(host, port)
-    where = (
-        f"{host}:{sock.getsockname()[1]}"
-        if ":" not in host
-        else f"[{host}]:{sock.getsockname()[1]}"
-    )
+    bound = sock.getsockname()[1]
+    where = f"{host}:{bound}" if ":" not in host else f"[{host}]:{bound}"
     print(f"attnmt: serving {name} on http://{where}", file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1)
-    try:
-        uvicorn.Server(config).run(sockets=[sock])  # re-raises the signal that stopped it
-    except KeyboardInterrupt:
-        # A search thread may be inside torch: the process ends now, not through the
-        # interpreter's exit, whose destructors would abort under a running thread pool.
-        print("attnmt: interrupted", file=sys.stderr, flush=True)
-        os._exit(130)
+    Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
 
 
 class AccessLog:

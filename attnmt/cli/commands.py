@@ -49,7 +49,7 @@ def _main(
     """Attention-based neural machine translation: train, translate, evaluate."""
 
 
-@app.command()
+@app.command(short_help="Train a model from a YAML config.")
 def train(
     config: Annotated[Path, typer.Option("--config", "-c", help="YAML config file.")],
     out: Annotated[Path, typer.Option(
@@ -84,7 +84,7 @@ def train(
     run_training(cfg, out, overwrite=overwrite, resume=resume, quiet=quiet)
 
 
-@app.command()
+@app.command(short_help="Translate lines: greedy, beam, sampling, n-best.")
 def translate(
     model: Annotated[list[Path], typer.Option(
         "--model", "-m", metavar="DIR",
@@ -156,7 +156,7 @@ def translate(
             done += len(lines)
 
 
-@app.command()
+@app.command(short_help="Average checkpoints into averaged.safetensors.")
 def average(
     model: Annotated[Path, typer.Argument(help="Trained model directory.")],
     last: Annotated[int | None, typer.Option(
@@ -165,10 +165,18 @@ def average(
         "--best", min=1, help="Average the N kept checkpoints with the best dev score.")] = None,
     force: Annotated[bool, typer.Option(
         "--force", help="Replace an existing averaged.safetensors.")] = False,
+    include_early: Annotated[bool, typer.Option(
+        "--include-early", help="Also average checkpoints from before the lr peak or from "
+        "the run's first half (left out by default, as train.average_last leaves them).")
+    ] = False,
 ) -> None:  # fmt: skip
     """Average checkpoints' weights into DIR/averaged.safetensors (use with --weights averaged)."""
-    from attnmt.models.directory import AVERAGED_FILE
-    from attnmt.training.checkpoints import average_checkpoints
+    from attnmt.models.directory import AVERAGED_FILE, read_run_files
+    from attnmt.training.checkpoints import (
+        average_checkpoints,
+        first_averaged_step,
+        kept_checkpoints,
+    )
 
     if (last is None) == (best is None):
         raise AttnmtError("give one of --last N or --best N")
@@ -179,11 +187,27 @@ def average(
             f"{model / AVERAGED_FILE} exists (training writes it); --force replaces it"
         )
     by, n = ("last", last) if last is not None else ("best", best)
-    path, steps = average_checkpoints(model, int(n), by)  # type: ignore[arg-type]
-    typer.echo(f"{path}: mean of steps {', '.join(map(str, steps))}")
+    kept = sorted(kept_checkpoints(model))
+    start = (
+        0
+        if include_early
+        else first_averaged_step(kept, read_run_files(model)[0].train.warmup_steps)
+    )
+    early = [s for s in kept if s < start]
+    if early and len(kept) - len(early) < int(n):  # type: ignore[arg-type]
+        raise AttnmtError(
+            f"{n} checkpoints asked for, {len(kept) - len(early)} kept after the lr peak and in "
+            f"the run's second half (left out: {', '.join(map(str, early))}); --include-early "
+            "averages those too"
+        )
+    path, steps = average_checkpoints(model, int(n), by, start)  # type: ignore[arg-type]
+    left = (
+        f" (left out {', '.join(map(str, early))}: before the lr peak or in the run's first half)"
+    )
+    typer.echo(f"{path}: mean of steps {', '.join(map(str, steps))}" + (left if early else ""))
 
 
-@app.command("import")
+@app.command("import", short_help="Import a pretrained OPUS-MT / MarianMT model.")
 def import_model(
     source: Annotated[Path, typer.Argument(help="A pretrained model (a directory).")],
     out: Annotated[Path, typer.Option(
@@ -212,7 +236,7 @@ def import_model(
     )  # fmt: skip
 
 
-@app.command()
+@app.command(short_help="Export to CTranslate2 or Hugging Face.")
 def export(
     model: Annotated[Path, typer.Argument(help="Trained model directory (a Transformer).")],
     out: Annotated[Path, typer.Argument(help="Directory to write the exported model to.")],
@@ -254,7 +278,7 @@ def export(
     report_agreement(out, model, weights, check, quantization)
 
 
-@app.command()
+@app.command(short_help="Draw training curves into a PNG.")
 def plot(
     models: Annotated[list[Path], typer.Argument(help="Model directories (one or more).")],
     output: Annotated[Path, typer.Option(
@@ -268,7 +292,7 @@ def plot(
     typer.echo(f"{output}: curves of {', '.join(str(m) for m in models)}")
 
 
-@app.command()
+@app.command(short_help="Serve translations over HTTP, with a page.")
 def serve(
     model: Annotated[list[Path], typer.Option(
         "--model", "-m", metavar="DIR",
@@ -324,7 +348,7 @@ def serve(
     run(create_app(translator, limits, name, access_log, hosts, docs), host, port, name)
 
 
-@app.command()
+@app.command(short_help="Translate a corpus with a teacher (distillation).")
 def distill(
     teacher: Annotated[list[Path], typer.Option(
         "--teacher", "-t", metavar="DIR",
@@ -362,7 +386,7 @@ def distill(
     )  # fmt: skip
 
 
-@app.command("eval")
+@app.command("eval", short_help="Score translations with sacreBLEU.")
 def evaluate(
     ref: Annotated[list[Path], typer.Option(
         "--ref", "-r", help="Reference translations (more than once: several per line).")],
@@ -423,7 +447,7 @@ def evaluate(
         typer.echo(f"BLEU = {s.bleu:.2f}")
 
 
-@app.command("score")
+@app.command("score", short_help="Forced decoding: log-probabilities of translations.")
 def score_command(
     model: Annotated[list[Path], typer.Option(
         "--model", "-m", metavar="DIR", help="Model directory (more than once: an ensemble).")],

@@ -65,6 +65,13 @@ def dev_scores(model_dir: Path) -> dict[int, float]:
     return scores
 
 
+def first_averaged_step(kept: list[int], warmup_steps: int) -> int:
+    """The first step that averaging takes (train.average_last and `attnmt average` alike):
+    none from before the learning rate's peak (warmup) or from the run's first half, weights so
+    far from the end that they cost BLEU (a short budget run lost 8.6 BLEU averaging them)."""
+    return max(warmup_steps + 1, (max(kept) + 1) // 2 if kept else 0)
+
+
 def average_checkpoints(
     model_dir: Path, n: int, by: str, min_step: int = 0
 ) -> tuple[Path, list[int]]:

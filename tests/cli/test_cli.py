@@ -287,3 +287,11 @@ def test_real_entry_point_prints_one_line(tmp_path: Path):
     assert r.stderr.strip().splitlines() == [
         f"attnmt: error: model directory not found: {tmp_path / 'none'}"
     ]
+
+
+def test_help_lists_every_command_with_a_whole_description(run_cli, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    r = run_cli("--help")
+    commands = r.stdout.split("Commands:")[1].strip().splitlines()
+    assert len(commands) >= 10
+    assert not [c for c in commands if c.rstrip().endswith(("...", "…"))], commands

@@ -85,7 +85,8 @@ def test_average_is_the_mean_of_the_chosen_checkpoints(tmp_path: Path, corpus, r
     step = {s: out / "checkpoints" / f"step-{s:08d}.safetensors" for s in (2, 4, 6)}
     assert all(f.is_file() for f in step.values())
     r = run_cli("average", str(out), "--last", "2")
-    assert r.code == 0 and "mean of steps 4, 6" in r.stdout, r
+    # Step 2 is warmup's (warmup_steps 2): left out, as train.average_last leaves it out.
+    assert r.code == 0 and "mean of steps 4, 6 (left out 2: before the lr peak" in r.stdout, r
     averaged, four, six = (load_file(f) for f in (out / "averaged.safetensors", step[4], step[6]))
     assert averaged.keys() == four.keys()
     for name, t in averaged.items():
@@ -94,11 +95,16 @@ def test_average_is_the_mean_of_the_chosen_checkpoints(tmp_path: Path, corpus, r
     assert r.code == 0 and r.stdout.count("\n") == 1, r
     log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
     bleu = {e["step"]: e["dev_bleu"] for e in log if e["event"] == "validation"}
-    best = sorted(sorted(bleu, key=lambda s: (-bleu[s], -s))[:2])
+    best = sorted(sorted((s for s in bleu if s > 2), key=lambda s: (-bleu[s], -s))[:2])
     r = run_cli("average", str(out), "--best", "2")
     assert r.code == 2 and "averaged.safetensors exists (training writes it); --force" in r.stderr
     r = run_cli("average", str(out), "--best", "2", "--force")
     assert r.code == 0 and f"mean of steps {best[0]}, {best[1]}" in r.stdout, r
-    r = run_cli("average", str(out), "--last", "5", "--force")
+    r = run_cli("average", str(out), "--last", "3", "--force")
+    assert r.code == 2 and "3 checkpoints asked for, 2 kept after the lr peak" in r.stderr
+    assert "--include-early" in r.stderr
+    r = run_cli("average", str(out), "--last", "3", "--force", "--include-early")
+    assert r.code == 0 and "mean of steps 2, 4, 6" in r.stdout, r
+    r = run_cli("average", str(out), "--last", "5", "--force", "--include-early")
     assert r.code == 2 and "5 checkpoints asked for, 3 kept" in r.stderr
     assert run_cli("average", str(out)).code == 2  # neither --last nor --best

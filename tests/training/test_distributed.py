@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file
 
 from conftest import tiny_config, write_config
@@ -38,6 +39,7 @@ def events(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # torchrun with two gloo processes, twice
 def test_two_processes_train_in_sync_and_resume_exactly(tmp_path: Path, corpus):
     raw = tiny_config(corpus)
     raw["model"]["dropout"] = 0.3  # ranks must draw different masks, resumed runs the same
@@ -67,6 +69,7 @@ def test_two_processes_train_in_sync_and_resume_exactly(tmp_path: Path, corpus):
     assert a.read_bytes() == b.read_bytes(), differing_tensors(a, b)
 
 
+@pytest.mark.slow
 def test_two_processes_accumulate_and_stay_in_sync(tmp_path: Path, corpus):
     """accumulate 2 under DDP: the first batch's backward skips the all-reduce (no_sync), the
     last one sums both; the ranks' weights stay identical."""

@@ -323,6 +323,7 @@ def test_users_onednn_cache_setting_wins(tmp_path: Path, corpus, monkeypatch):
     assert all(os.environ[name] == "7" for name in ONEDNN_CACHE_VARIABLES)
 
 
+@pytest.mark.slow  # torch.compile builds C++ with g++: minutes on a busy 2-core machine
 @pytest.mark.parametrize(
     ("arch", "device"),
     [("rnn", "cpu"), pytest.param("transformer", "cuda", marks=pytest.mark.skipif(
