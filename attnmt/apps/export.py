@@ -28,6 +28,7 @@ from torch import nn
 from attnmt.config import Config
 from attnmt.data.files import dir_mode, free_space, reason
 from attnmt.data.text import read_lines, read_test_set
+from attnmt.data.tokenizer import language_tag
 from attnmt.decoding.translator import Translator
 from attnmt.errors import AttnmtError
 from attnmt.models.directory import load_model_dir, read_run_files
@@ -100,11 +101,23 @@ def export_ctranslate2(
     return sorted(p.name for p in out.iterdir())
 
 
+# The pieces of the ids attnmt's search never outputs (padding, the start token: conformed
+# SentencePiece models name them so): CTranslate2's suppress_sequences.
+NEVER_OUTPUT = ("<pad>", "<s>")
+
+
 def generation(cfg: Config) -> dict[str, Any]:
     """The model's decoding options for CTranslate2's translate_batch, written beside the export
     (CTranslate2's own default output limit is 256 pieces, whatever the source length)."""
     d = cfg.decode
+    tags = (
+        {lang: language_tag(lang) for lang in cfg.data.target_langs}
+        if cfg.data.multilingual
+        else {}
+    )
     return {
+        **({"source_prefix": tags} if tags else {}),
+        "suppress_sequences": [[piece] for piece in NEVER_OUTPUT],
         "beam_size": d.beam,
         "length_penalty": d.length_penalty,
         "max_input_length": d.max_src_len,
@@ -115,8 +128,14 @@ def generation(cfg: Config) -> dict[str, Any]:
             "greedy output equals attnmt's; beam output may differ on some lines: CTranslate2 "
             "ranks finished hypotheses by score / length^length_penalty, attnmt by score / "
             "((5 + length) / 6)^length_penalty",
+            "suppress_sequences: attnmt never outputs padding or the start token",
+            *(
+                ["a multilingual model: put source_prefix[target language] (one piece) before "
+                 "the source's pieces, or it translates into no language in particular"]
+                if tags else []
+            ),
         ],
-    }
+    }  # fmt: skip
 
 
 def check_export_path(model_dir: Path, out: Path, force: bool) -> None:
@@ -144,36 +163,45 @@ class Agreement:
     same: int  # sentences translated identically
     total: int
     source: str  # where they came from
+    direction: str = ""  # a multilingual model's: "into en"
 
     def __str__(self) -> str:
         share = self.same / self.total if self.total else 1.0
+        into = f", {self.direction}" if self.direction else ""
         return (
-            f"agreement with attnmt (greedy, {self.total} sentences of {self.source}): "
+            f"agreement with attnmt (greedy, {self.total} sentences of {self.source}{into}): "
             f"{self.same}/{self.total} identical ({share:.0%})"
         )
 
 
 def check_agreement(
     out: Path, model_dir: Path, weights: str, lines: list[str], source: str
-) -> Agreement:
+) -> list[Agreement]:
     """Translate lines greedily with the export in `out` and with attnmt (`weights` of
     model_dir), each sentence under attnmt's output limit (max_len_a × source subwords with EOS
     + max_len_b), and count the identical ones: a broken conversion shows at once. A
-    multilingual model is checked into its first target language."""
+    multilingual model is checked into each of its target languages (its tag before the
+    source, as generation.json says)."""
     ct2 = _import_ctranslate2()
     ours = Translator.load(model_dir, "cpu", weights, "fp32", workers=1)
-    lang = (ours.target_langs or [None])[0] if ours.cfg.data.multilingual else None
-    want = ours.translate(lines, beam=1, target_lang=lang)
-    prefix = ours.tokenizer.src.pieces(ours.source_prefix(lang))
+    langs: list[str | None] = list(ours.target_langs) if ours.cfg.data.multilingual else [None]
     decode = ours.cfg.decode
     theirs = ct2.Translator(str(out), device="cpu", inter_threads=1)
-    same = 0
-    for line, expected in zip(lines, want, strict=True):
-        pieces = prefix + ours.tokenizer.src.sp.encode(line, out_type=str)
-        limit = int(decode.max_len_a * (len(pieces) + 1)) + decode.max_len_b
-        found = theirs.translate_batch([pieces], beam_size=1, max_decoding_length=limit)
-        same += ours.tokenizer.tgt.sp.decode(found[0].hypotheses[0]) == expected
-    return Agreement(same, len(lines), source)
+    found: list[Agreement] = []
+    for lang in langs:
+        want = ours.translate(lines, beam=1, target_lang=lang)
+        prefix = ours.tokenizer.src.pieces(ours.source_prefix(lang))
+        same = 0
+        for line, expected in zip(lines, want, strict=True):
+            pieces = prefix + ours.tokenizer.src.sp.encode(line, out_type=str)
+            limit = int(decode.max_len_a * (len(pieces) + 1)) + decode.max_len_b
+            got = theirs.translate_batch(
+                [pieces], beam_size=1, max_decoding_length=limit,
+                suppress_sequences=[[piece] for piece in NEVER_OUTPUT],
+            )  # fmt: skip
+            same += ours.tokenizer.tgt.sp.decode(got[0].hypotheses[0]) == expected
+        found.append(Agreement(same, len(lines), source, f"into {lang}" if lang else ""))
+    return found
 
 
 def report_agreement(
@@ -185,10 +213,16 @@ def report_agreement(
     if not lines:
         print("no sentences to check the export on (the dev set is gone); use --check FILE")
         return
-    found = check_agreement(out, model_dir, weights, lines, source)
-    print(found, flush=True)
-    if found.same < 0.9 * found.total and quantization is None:
-        print("warning: an fp32 export should agree on nearly every sentence", file=sys.stderr)
+    for found in check_agreement(out, model_dir, weights, lines, source):
+        print(found, flush=True)
+        if found.same < 0.9 * found.total and quantization is None:
+            print("warning: an fp32 export should agree on nearly every sentence", file=sys.stderr)
+    if quantization is not None:
+        print(
+            f"note: a {quantization} export rounds its weights: 80-100 % identical greedy output "
+            "is expected (near-ties flip); a broken conversion agrees on almost nothing",
+            flush=True,
+        )
 
 
 def check_lines(model_dir: Path, given: Path | None) -> tuple[list[str], str]:

@@ -30,7 +30,14 @@ from attnmt.training.checkpoints import discard_run, prepare_output_dir
 from attnmt.training.finetune import inherit
 from attnmt.training.runlog import METRIC_NAMES, ProgressBar, RunLog, ThroughputMeter
 from attnmt.training.setup import Run, setup
-from attnmt.training.step import log_train, skip_step, step_idxs, train_step
+from attnmt.training.step import (
+    BUDGET_PROBE_STEPS,
+    log_budget,
+    log_train,
+    skip_step,
+    step_idxs,
+    train_step,
+)
 from attnmt.training.validation import average_at_end, interrupt, test_with, validate
 
 
@@ -113,6 +120,8 @@ def train_loop(run: Run) -> dict[str, Any]:
                     bar.update(result)
                     if p.step % t.log_every == 0 or p.step == 1:
                         log_train(run, result, meter.take())
+                    if p.step == BUDGET_PROBE_STEPS and t.time_budget is not None:
+                        log_budget(run, result.budget_used, len(batches) // per_step)
                     if p.step % t.eval_every == 0 and validate(run):
                         stop_reason = "early_stopping"
                     elif p.step >= t.max_steps:

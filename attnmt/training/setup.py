@@ -206,12 +206,14 @@ def log_model(run: Run, resumed: bool) -> None:
     mm_backend = active_backend() if device.type == "cpu" else "blas"
     precision = run.precision
     fp32_cpu = device.type == "cpu" and precision == "fp32"
+    faster = fp32_cpu and resolve_precision("auto", device) == "bf16"
     batches = t.accumulate * run.ranks.world  # per update: accumulated x processes
     unit = f"{t.batch_sentences:,} sentences" if t.batch_sentences else f"{t.batch_tokens:,} tokens"
     run.log.event(
         "model",
         f"model: {run.cfg.model.arch}, {n_params:,} parameters, device {device}, {precision}"
         + (" (train.precision auto)" if t.precision == "auto" else "")
+        + (" (bf16 is native on this CPU: train.precision auto trains faster)" if faster else "")
         + (f", {mm_backend} matmuls" if fp32_cpu else "")
         + (f", {run.ranks.world} processes" if run.ranks.world > 1 else "")
         + (f" | an update: {batches} batches of up to {unit}" if batches > 1 else "")

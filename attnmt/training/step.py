@@ -162,3 +162,31 @@ def log_train(run: Run, result: StepResult, window: Throughput) -> None:
         teacher_forcing=result.teacher_forcing,
         elapsed_s=round(run.elapsed(), 1),
     )
+
+
+# A budgeted run says after this many steps how many its budget allows at their speed.
+BUDGET_PROBE_STEPS = 20
+# Fewer steps than this, or less than one epoch, and the model will not translate yet: the
+# README's smallest real result (Multi30k T, 1,000 steps of 4,096 tokens: BLEU 34) took this.
+FEW_STEPS = 1000
+
+
+def log_budget(run: Run, budget_used: float, steps_per_epoch: int) -> None:
+    """The `budget` event: the steps (and epochs) train.time_budget allows at the speed of the
+    steps so far (setup and validations counted), and a warning when that is too few to give a
+    model that translates."""
+    p = run.progress
+    steps = int(p.step / max(budget_used, 1e-9))
+    epochs = steps / max(steps_per_epoch, 1)
+    few = steps < FEW_STEPS or epochs < 1.0
+    line = (
+        f"time budget: about {steps:,} steps ({epochs:.2f} epochs) at the speed of the first "
+        f"{p.step} steps"
+        + (
+            f"; warning: expect a model that cannot translate yet (the README's smallest result,"
+            f" Multi30k T, took {FEW_STEPS:,} steps): give it more time, or a smaller model or "
+            "corpus"
+            if few else ""
+        )
+    )  # fmt: skip
+    run.log.event("budget", line, step=p.step, steps=steps, epochs=round(epochs, 3), few=few)

@@ -144,3 +144,19 @@ def test_fine_tuning_keeps_the_tags_and_needs_them(multi: Path, trained, tmp_pat
     raw["train"]["init_from"] = str(trained[0])  # a bilingual model: no tags
     with pytest.raises(ConfigError, match="no <2en>, <2fr> piece"):
         train(from_dict(raw), tmp_path / "ft2", quiet=True)
+
+
+def test_the_ctranslate2_export_carries_the_tags_and_is_checked_per_direction(
+    multi: Path, run_cli, tmp_path: Path
+):
+    pytest.importorskip("ctranslate2")
+    check = write_lines(tmp_path / "check.txt", pairs(10, 40, "en")[0])
+    r = run_cli("export", str(multi), str(tmp_path / "ct2"), "--check", str(check))
+    assert r.code == 0, r.stderr
+    assert "check.txt, into en): 10/10 identical" in r.stdout
+    assert "check.txt, into fr): 10/10 identical" in r.stdout
+    options = json.loads((tmp_path / "ct2" / "generation.json").read_text())
+    assert options["source_prefix"] == {"en": "<2en>", "fr": "<2fr>"}
+    r = run_cli("export", str(multi), str(tmp_path / "q"), "--check", str(check),
+                "--quantization", "int8")  # fmt: skip
+    assert r.code == 0 and "note: a int8 export rounds its weights" in r.stdout

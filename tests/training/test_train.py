@@ -552,3 +552,26 @@ def test_without_a_terminal_progress_lines_reach_train_log(tmp_path: Path, corpu
     text = (tmp_path / "m" / "train.log").read_text()
     for step in (2, 4):
         assert f"step {step} | epoch 1 | loss " in text and " tokens/s | " in text
+
+
+def test_a_budget_that_allows_too_few_steps_is_said_early(run):
+    # 20 steps took half the budget: about 40 steps in all, far too few to translate.
+    run.progress.step = 20
+    step_mod.log_budget(run, 0.5, steps_per_epoch=100)
+    run.progress.step = 20
+    step_mod.log_budget(run, 0.01, steps_per_epoch=100)  # 2,000 steps, 20 epochs: enough
+    found = [e for e in events(run.out) if e["event"] == "budget"]
+    assert [(e["steps"], e["epochs"], e["few"]) for e in found] == [
+        (40, 0.4, True),
+        (2000, 20.0, False),
+    ]
+    lines = (run.out / "train.log").read_text()
+    assert "about 40 steps (0.40 epochs)" in lines and "cannot translate yet" in lines
+
+
+def test_the_model_line_says_when_bf16_would_be_faster(tmp_path: Path, corpus, monkeypatch):
+    monkeypatch.setattr(
+        "attnmt.training.setup.resolve_precision", lambda p, d: "bf16" if p == "auto" else p
+    )
+    train(from_dict(config(corpus, max_steps=1, eval_every=1)), tmp_path / "m", quiet=True)
+    assert "bf16 is native on this CPU" in (tmp_path / "m" / "train.log").read_text()
