@@ -219,7 +219,7 @@ def report_agreement(
             print("warning: an fp32 export should agree on nearly every sentence", file=sys.stderr)
     if quantization is not None:
         print(
-            f"note: a {quantization} export rounds its weights: 80-100 % identical greedy output "
+            f"note: the {quantization} export rounds its weights: 80-100 % identical greedy output "
             "is expected (near-ties flip); a broken conversion agrees on almost nothing",
             flush=True,
         )

@@ -319,6 +319,9 @@ def serve(
         "and localhost on a loopback address).")] = None,
     docs: Annotated[bool, typer.Option(
         "--docs/--no-docs", help="Swagger UI at /docs (it loads scripts from a CDN).")] = False,
+    name: Annotated[str | None, typer.Option(
+        "--name", help="The model's name on the page and in /health (default: the model "
+        "directories' names, not their paths).")] = None,
     access_log: Annotated[bool, typer.Option(
         "--access-log/--no-access-log", help="A line per request on stderr.")] = True,
     weights: WeightsOption = "best",
@@ -343,7 +346,7 @@ def serve(
         max_lines, max_chars, max_queue, batch_wait_ms,
         max_search=max_search, max_attention=max_attention,
     )  # fmt: skip
-    name = " + ".join(map(str, model))
+    name = name or " + ".join(m.resolve().name for m in model)
     hosts = served_hosts(host, allowed_host or [])
     run(create_app(translator, limits, name, access_log, hosts, docs), host, port, name)
 

@@ -236,6 +236,8 @@ def test_7_cross_origin_forms_and_foreign_hosts_are_refused(trained):
         for host in ("localhost", f"127.0.0.1:{url.rsplit(':', 1)[1]}"):
             assert httpx.get(f"{url}/health", headers={"host": host}).status_code == 200
         assert httpx.get(f"{url}/docs").status_code == 404  # Swagger UI would load a CDN
+        # The model's name, not its path on the server (issue 47): serve --name sets another.
+        assert httpx.get(f"{url}/health").json()["model"] == trained[0].name
     finally:
         proc.terminate()
         proc.communicate(timeout=30)

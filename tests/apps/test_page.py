@@ -133,3 +133,37 @@ def test_the_page_in_a_browser(server, trained, browser, run_cli, tmp_path):
     WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, "error").text)
     error = browser.find_element(By.ID, "error").text
     assert error == "Error 413: text[0]: 90 characters; at most 60", error
+
+
+def test_the_page_of_a_multilingual_model_asks_for_the_language(
+    browser, tmp_path_factory: pytest.TempPathFactory
+):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    from attnmt.config import from_dict
+    from attnmt.training.loop import train
+
+    from conftest import make_pairs, tiny_config, write_lines
+
+    base = tmp_path_factory.mktemp("multi-page")
+    src, tgt = make_pairs(200, 1)
+    files = {"src": str(write_lines(base / "s", src)), "tgt": str(write_lines(base / "t", tgt))}
+    raw = tiny_config({k: base / k for k in ("train_src", "train_tgt", "dev_src", "dev_tgt")})
+    raw["data"]["train"] = [{**files, "tgt_lang": lang} for lang in ("de", "en")]
+    raw["data"]["dev"] = [{**files, "tgt_lang": lang} for lang in ("de", "en")]
+    raw["train"].update(max_steps=2, eval_every=2)
+    train(from_dict(raw), base / "m", quiet=True)
+    translator = Translator.load(base / "m", device="cpu")
+    for url in start_server(translator, Limits(), "multi"):
+        browser.get(f"{url}/")
+        wait = WebDriverWait(browser, 60)
+        wait.until(lambda d: "(" in d.find_element(By.ID, "model").text)
+        assert not browser.find_element(By.ID, "results").is_displayed()  # nothing yet
+        assert Select(browser.find_element(By.ID, "lang")).first_selected_option.text == "choose…"
+        browser.find_element(By.ID, "source").send_keys("w1 w2", Keys.ENTER)
+        assert browser.find_element(By.ID, "translation").text == ""  # no default language
+        Select(browser.find_element(By.ID, "lang")).select_by_value("en")
+        browser.find_element(By.ID, "go").click()
+        wait.until(lambda d: d.find_element(By.ID, "results").is_displayed())

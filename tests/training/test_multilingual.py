@@ -159,4 +159,4 @@ def test_the_ctranslate2_export_carries_the_tags_and_is_checked_per_direction(
     assert options["source_prefix"] == {"en": "<2en>", "fr": "<2fr>"}
     r = run_cli("export", str(multi), str(tmp_path / "q"), "--check", str(check),
                 "--quantization", "int8")  # fmt: skip
-    assert r.code == 0 and "note: a int8 export rounds its weights" in r.stdout
+    assert r.code == 0 and "note: the int8 export rounds its weights" in r.stdout
