@@ -207,6 +207,43 @@ def average(
     typer.echo(f"{path}: mean of steps {', '.join(map(str, steps))}" + (left if early else ""))
 
 
+@app.command("split", short_help="Clean a corpus and split it into train, dev and test.")
+def split_corpus(
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for train/dev/test.{src,tgt}.")],
+    tsv: Annotated[list[Path] | None, typer.Option(
+        "--tsv", help="A corpus as TSV: source TAB target (repeatable).")] = None,
+    src: Annotated[list[Path] | None, typer.Option(
+        "--src", help="A corpus's source file (repeatable, each with a --tgt).")] = None,
+    tgt: Annotated[list[Path] | None, typer.Option(
+        "--tgt", help="Its target file, line i the translation of the source's line i.")] = None,
+    dev: Annotated[int, typer.Option("--dev", min=0, help="Dev pairs (unique sources).")] = 2000,
+    test: Annotated[int, typer.Option("--test", min=0, help="Test pairs (unique sources).")] = 2000,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the shuffle.")] = 1,
+    max_words: Annotated[int, typer.Option(
+        "--max-words", min=1, help="Drop pairs with a longer side (words).")] = 200,
+    max_ratio: Annotated[float, typer.Option(
+        "--max-ratio", min=1.0, help="Drop pairs whose sides' lengths differ more.")] = 3.0,
+) -> None:  # fmt: skip
+    """Clean one's own corpus (duplicates, empty or copied sides, over-long and misaligned
+    pairs) and split it by unique source sentence into train, dev and test."""
+    from attnmt.data.split import Rules, SplitCounts, clean, read_corpora, split, write_splits
+
+    src, tgt, tsv = src or [], tgt or [], tsv or []
+    if len(src) != len(tgt):
+        raise AttnmtError(f"{len(src)} --src but {len(tgt)} --tgt: give them in pairs")
+    if not tsv and not src:
+        raise AttnmtError("give a corpus: --tsv FILE, or --src FILE --tgt FILE")
+    counts = SplitCounts()
+    corpora = read_corpora(tsv, zip(src, tgt, strict=True), counts)
+    pairs = clean(corpora, Rules(max_words, max_ratio), counts)
+    write_splits(out, split(pairs, dev, test, seed, counts), counts)
+    typer.echo(f"attnmt: {counts.read:,} pairs read", err=True)
+    for rule, n in counts.dropped.items():
+        typer.echo(f"attnmt: dropped {n:,} ({rule})", err=True)
+    sizes = ", ".join(f"{name} {n:,}" for name, n in counts.written.items())
+    typer.echo(f"attnmt: wrote {out}/{{train,dev,test}}.{{src,tgt}}: {sizes}", err=True)
+
+
 @app.command("import", short_help="Import a pretrained OPUS-MT / MarianMT model.")
 def import_model(
     source: Annotated[Path, typer.Argument(help="A pretrained model (a directory).")],
