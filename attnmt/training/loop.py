@@ -122,7 +122,11 @@ def train_loop(run: Run) -> dict[str, Any]:
                         log_train(run, result, meter.take())
                     if p.step == BUDGET_PROBE_STEPS and t.time_budget is not None:
                         log_budget(run, result.budget_used, len(batches) // per_step)
-                    if p.step % t.eval_every == 0 and validate(run):
+                    # Under a time budget, a first validation at half of it measures what the
+                    # last one will cost, which the budget then keeps free: it holds.
+                    halfway = p.last_validated < 0 and result.budget_used >= 0.5
+                    due = p.step % t.eval_every == 0 or (t.time_budget is not None and halfway)
+                    if due and validate(run):
                         stop_reason = "early_stopping"
                     elif p.step >= t.max_steps:
                         stop_reason = "max_steps"

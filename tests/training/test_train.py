@@ -575,3 +575,15 @@ def test_the_model_line_says_when_bf16_would_be_faster(tmp_path: Path, corpus, m
     )
     train(from_dict(config(corpus, max_steps=1, eval_every=1)), tmp_path / "m", quiet=True)
     assert "bf16 is native on this CPU" in (tmp_path / "m" / "train.log").read_text()
+
+
+def test_a_time_budget_holds_with_its_last_validation(tmp_path: Path, corpus):
+    # No validation is due (eval_every is huge): one at half the budget measures what the last
+    # costs, and the run stops so that setup, steps and that last validation fit the budget.
+    raw = config(corpus, max_steps=1_000_000, eval_every=1_000_000, time_budget="6s")
+    summary = train(from_dict(raw), tmp_path / "m", quiet=True)
+    validations = [e for e in events(tmp_path / "m") if e["event"] == "validation"]
+    assert len(validations) == 2 and validations[0]["step"] < validations[1]["step"]
+    done = next(e for e in events(tmp_path / "m") if e["event"] == "done")
+    assert done["trained_s"] <= 6.0 * 1.25, done  # a step or two over at most
+    assert summary["stop_reason"] == "time_budget"
