@@ -91,6 +91,10 @@ class TranslateRequest(BaseModel):
     target_lang: str | None = Field(
         None, description="A multilingual model: the language to translate into."
     )
+    prefix: list[str] | None = Field(
+        None, description="Per line of `text`, the text its translation starts with "
+        '(prefix-constrained search: interactive MT); "" for none.',
+    )  # fmt: skip
 
 
 class Scored(BaseModel):
@@ -126,6 +130,7 @@ class _Job:
     lines: list[str]
     options: SearchOptions
     target_lang: str | None
+    prefix: list[str]  # per line, what its translation starts with ("": nothing)
     future: Future = field(default_factory=Future)
     done: list[list[Translation]] = field(default_factory=list)  # results of lines[: len(done)]
     cancelled: bool = False  # its client left: no more work for it
@@ -155,10 +160,14 @@ class Batcher:
         threading.Thread(target=self._run, name="attnmt-search", daemon=True).start()
 
     def submit(
-        self, lines: list[str], options: SearchOptions, target_lang: str | None = None
+        self,
+        lines: list[str],
+        options: SearchOptions,
+        target_lang: str | None = None,
+        prefix: list[str] | None = None,
     ) -> _Job:
         """Queue a job (queue.Full when the queue is full)."""
-        job = _Job(lines, options, target_lang)
+        job = _Job(lines, options, target_lang, prefix or [""] * len(lines))
         self.jobs.put_nowait(job)
         return job
 
@@ -205,11 +214,13 @@ class Batcher:
     def _search(self, batch: dict[_Job, int]) -> None:
         parts = [(job, len(job.done), len(job.done) + n) for job, n in batch.items()]
         lines = [line for job, start, end in parts for line in job.lines[start:end]]
+        prefix = [p for job, start, end in parts for p in job.prefix[start:end]]
         first, start = parts[0][0], parts[0][1]  # a sampled job is alone: seeds from start
         try:
             out = self.translator.search(
-                lines, first.options, first_line=start, target_lang=first.target_lang
-            )
+                lines, first.options, first_line=start, target_lang=first.target_lang,
+                prefix=prefix if any(prefix) else None,
+            )  # fmt: skip
         except Exception as e:  # the server answers 500 and keeps serving
             for job in batch:
                 job.future.set_exception(e)
@@ -267,16 +278,30 @@ def parse_request(body: bytes) -> TranslateRequest:
         raise RequestError(422, f"{where}: {first['msg']}") from None
     except ValueError as e:  # JSONDecodeError included
         raise RequestError(422, f"not a JSON request: {e}") from None
-    for i, line in enumerate(request.text):
-        try:
-            line.encode("utf-8")
-        except UnicodeEncodeError:
-            raise RequestError(422, f"text[{i}]: not valid Unicode (a lone surrogate)") from None
+    for name, items in (("text", request.text), ("prefix", request.prefix or [])):
+        for i, line in enumerate(items):
+            try:
+                line.encode("utf-8")
+            except UnicodeEncodeError:
+                raise RequestError(
+                    422, f"{name}[{i}]: not valid Unicode (a lone surrogate)"
+                ) from None
     return request
 
 
 def check_limits(request: TranslateRequest, limits: Limits) -> None:
-    """413 for more lines, or a longer line, than the limits allow."""
+    """413 for more lines, or a longer line (or prefix), than the limits allow; 422 for a
+    prefix list that does not match the lines."""
+    if request.prefix is not None:
+        if len(request.prefix) != len(request.text):
+            raise RequestError(
+                422, f"prefix: {len(request.prefix)} prefixes for {len(request.text)} lines"
+            )
+        for i, p in enumerate(request.prefix):
+            if len(p) > limits.max_chars:
+                raise RequestError(
+                    413, f"prefix[{i}]: {len(p)} characters; at most {limits.max_chars}"
+                )
     if len(request.text) > limits.max_lines:
         raise RequestError(413, f"{len(request.text)} lines; at most {limits.max_lines} a request")
     for i, line in enumerate(request.text):
@@ -465,7 +490,7 @@ def _translate_route(
         if not request.text:
             return answer([], options.n_best)
         try:
-            job = batcher.submit(request.text, options, request.target_lang)
+            job = batcher.submit(request.text, options, request.target_lang, request.prefix)
         except queue.Full:
             return _error(503, f"{limits.max_queue} requests waiting; try again shortly")
         if not await finished(http, job.future):

@@ -123,11 +123,14 @@ def translate(
     precision: PrecisionOption = None,
     matmul: MatmulOption = None,
     target_lang: TargetLangOption = None,
+    prefix: Annotated[Path | None, typer.Option(
+        "--prefix", help="A target prefix per input line: each translation starts with its "
+        "line's (interactive MT, autocompletion); an empty line: none.")] = None,
 ) -> None:  # fmt: skip
     """Translate text, one line in, one line out (beam search, greedy with --beam 1, or
     --sampling: --n-best K draws K per line)."""
     from attnmt.apps.heatmap import AttentionMaps
-    from attnmt.data.text import check_input
+    from attnmt.data.text import check_input, read_lines
     from attnmt.decoding.translate import format_results
     from attnmt.decoding.translator import Translator
 
@@ -138,7 +141,10 @@ def translate(
         check_input(source)  # a missing or unreadable file fails before the model loads
     if sampling and beam is not None:
         raise AttnmtError("--sampling draws instead of searching: drop --beam")
+    if prefix is not None:
+        check_input(prefix)
     translator = Translator.load(model, device, weights, precision, matmul, workers)
+    prefixes = None if prefix is None else iter(read_lines(prefix))
     spec = None
     if attention is not None:
         spec = translator.attention_spec(attention_layer, attention_head)
@@ -149,7 +155,8 @@ def translate(
     # Written chunk by chunk as each is done: a line sent alone through a pipe or typed at a
     # terminal is answered at once.
     with OutputSink(output) as sink:
-        for lines, results in translator.stream(source, options, batch_tokens, None, target_lang):
+        chunks = translator.stream(source, options, batch_tokens, None, target_lang, prefixes)
+        for lines, results in chunks:
             sink.write(format_results(results, n_best, done))
             if spec is not None:
                 maps.write([r[0] for r in results], first=done)

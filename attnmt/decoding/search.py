@@ -9,7 +9,7 @@ of every sentence as one (sentences × beam) tensor.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -99,19 +99,48 @@ def search_options(
 
 
 def decode(
-    model: Seq2Seq, src: torch.Tensor, src_pad_mask: torch.Tensor, options: SearchOptions
+    model: Seq2Seq,
+    src: torch.Tensor,
+    src_pad_mask: torch.Tensor,
+    options: SearchOptions,
+    prefix: Sequence[Sequence[int]] | None = None,
 ) -> list[list[Hypothesis]]:
     """Decode a batch: for each sentence, options.n_best hypotheses (best first).
 
     Args:
         src: (B, S) source ids, EOS included; src_pad_mask: (B, S) bool, True at padding.
+        prefix: per sentence, target ids every hypothesis starts with (interactive MT: the
+            words a translator typed); the search goes on from there.
     """
     method = options.method
+    forced = forced_tokens(prefix, src.size(0), src.device)
     if isinstance(method, Beam):
-        return beam_search(model, src, src_pad_mask, options)
+        return beam_search(model, src, src_pad_mask, options, forced)
     if isinstance(method, Sampling):
-        return sample(model, src, src_pad_mask, options)
-    return [[h] for h in greedy_search(model, src, src_pad_mask, options)]
+        return sample(model, src, src_pad_mask, options, forced)
+    return [[h] for h in greedy_search(model, src, src_pad_mask, options, forced=forced)]
+
+
+def forced_tokens(
+    prefix: Sequence[Sequence[int]] | None, B: int, device: torch.device
+) -> torch.Tensor | None:
+    """The prefixes as a (B, P) tensor, -1 where a sentence's prefix has ended; None without."""
+    if not prefix or not any(prefix):
+        return None
+    assert len(prefix) == B
+    forced = torch.full((B, max(map(len, prefix))), -1, dtype=torch.long)  # (B, P)
+    for i, ids in enumerate(prefix):
+        forced[i, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
+    return forced.to(device)
+
+
+def keep_forced(values: torch.Tensor, tokens: torch.Tensor) -> None:
+    """In place: each row whose token is >= 0 keeps that token's value, the others -inf."""
+    rows = (tokens >= 0).nonzero().squeeze(1)  # (n,)
+    if rows.numel():
+        kept = values[rows, tokens[rows]]  # (n,)
+        values[rows] = -torch.inf
+        values[rows, tokens[rows]] = kept
 
 
 @dataclass
@@ -163,6 +192,7 @@ def greedy_search(
     src_pad_mask: torch.Tensor,
     options: SearchOptions,
     pick: Callable[[torch.Tensor], torch.Tensor] = argmax_rows,
+    forced: torch.Tensor | None = None,
 ) -> list[Hypothesis]:
     """Take the argmax (or what `pick` chooses from each row of logits) at every step.
 
@@ -190,6 +220,9 @@ def greedy_search(
     for t in range(int(limits.max())):
         logits, state, attn = model.decode_step(memory, state, prev, attention)  # (B_r, V)
         nxt = pick_output(logits, pick, model)  # (B_r,)
+        if forced is not None and t < forced.size(1):  # a prefix's token, where it goes on
+            want = forced[rows, t]  # (B_r,)
+            nxt = torch.where(want >= 0, want, nxt)
         if scores:
             logp = torch.log_softmax(logits.float(), dim=-1).gather(1, nxt[:, None])  # (B_r, 1)
             total.index_add_(0, rows, logp.squeeze(1).masked_fill(~live, 0.0))
@@ -222,7 +255,11 @@ def greedy_search(
 
 @torch.no_grad()
 def sample(
-    model: Seq2Seq, src: torch.Tensor, src_pad_mask: torch.Tensor, options: SearchOptions
+    model: Seq2Seq,
+    src: torch.Tensor,
+    src_pad_mask: torch.Tensor,
+    options: SearchOptions,
+    forced: torch.Tensor | None = None,
 ) -> list[list[Hypothesis]]:
     """options.n_best draws per sentence, token by token from softmax(logits / temperature)
     over the top_k tokens (ancestral sampling, for back-translation: Edunov et al. 2018,
@@ -241,8 +278,9 @@ def sample(
         return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
     rows = greedy_search(
-        model, src.repeat_interleave(k, 0), src_pad_mask.repeat_interleave(k, 0), options, draw
-    )
+        model, src.repeat_interleave(k, 0), src_pad_mask.repeat_interleave(k, 0), options, draw,
+        None if forced is None else forced.repeat_interleave(k, 0),
+    )  # fmt: skip
     return [rows[i * k : (i + 1) * k] for i in range(src.size(0))]
 
 
@@ -252,6 +290,7 @@ def beam_search(
     src: torch.Tensor,
     src_pad_mask: torch.Tensor,
     options: SearchOptions,
+    forced: torch.Tensor | None = None,
 ) -> list[list[Hypothesis]]:
     """Batched beam search: all sentences and all their beams advance as one tensor.
 
@@ -291,6 +330,8 @@ def beam_search(
         logits, state, attn = model.decode_step(memory, state, prev, attention)  # (n*K, V)
         logp = torch.log_softmax(logits.float(), dim=-1)  # (n*K, V)
         logp[:, [model.pad_id, model.bos_id]] = -torch.inf  # never an output (normalised over all)
+        if forced is not None and t < forced.size(1):  # within a prefix: its token only
+            keep_forced(logp, forced[torch.tensor(active, device=device), t].repeat_interleave(K))
         top_scores, top_beam, top_tok = _best_candidates(scores, logp)  # (n, 2K) each
         if attn is not None:
             a = attn.float().unsqueeze(1)  # (n*K, 1, S)

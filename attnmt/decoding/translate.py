@@ -43,6 +43,7 @@ def translate(
     first_line: int = 0,
     matmul: str | None = None,
     prefix: Sequence[int] = (),
+    target_prefix: Sequence[Sequence[int]] | None = None,
 ) -> list[list[Translation]]:
     """Translate each line: options.n_best translations per input, in input order.
 
@@ -55,7 +56,7 @@ def translate(
     processes.map_batches); the results do not depend on it. `matmul`: the CPU fp32 matmul
     backend (blas or onednn) to search with; None: the one in use here (kernels.matmul_backend).
     `prefix`: ids before every source (a multilingual model's target-language tag), shown as
-    source pieces.
+    source pieces. `target_prefix`: per line, the target ids its translations start with.
     """
     was_training = model.training
     model.eval()
@@ -73,7 +74,8 @@ def translate(
             src[j] = [*ids[: options.max_src_len - 1], EOS_ID]
     batches = list(sorted_batches([len(s) for s in src], batch_tokens, batch_sentences))
 
-    job = _SearchJob(model, src, options, device, first_line, matmul or active_backend())
+    wanted = None if target_prefix is None else [list(target_prefix[i]) for i in todo]
+    job = _SearchJob(model, src, options, device, first_line, matmul or active_backend(), wanted)
     results = map_batches(job, batches, workers, device)
     for batch, found in zip(batches, results, strict=True):
         for j, hyps in zip(batch, found, strict=True):
@@ -105,6 +107,7 @@ class _SearchJob:
     device: torch.device | str
     first_line: int  # lines of the input before these (a chunk's offset): sampling seeds
     matmul: str  # the CPU fp32 matmul backend, set in whichever thread searches
+    target_prefix: list[list[int]] | None = None  # per source: the ids its output starts with
 
     @torch.inference_mode()  # per thread, like grad mode: set in the thread that searches
     def __call__(self, batch: list[int]) -> list[list[Hypothesis]]:
@@ -115,8 +118,9 @@ class _SearchJob:
             # the input: the draws depend on neither --workers nor how the input was chunked
             seed = hash((method.seed, self.first_line + batch[0])) & SEED_MASK
             options = replace(options, method=replace(method, seed=seed))
+        wanted = None if self.target_prefix is None else [self.target_prefix[j] for j in batch]
         with matmul_backend(self.matmul):
-            return decode(self.model, tokens, pad_mask, options)
+            return decode(self.model, tokens, pad_mask, options, wanted)
 
 
 def translate_lines(

@@ -125,13 +125,16 @@ class Translator:
         batch_tokens: int | None = None,
         workers: int | None = None,
         target_lang: str | None = None,
+        prefix: Sequence[str] | None = None,
     ) -> list[str]:
         """The best translation of each line, in order (beam: default decode.beam; 1 is
-        greedy), into target_lang (a multilingual model needs it). An empty line gives an
-        empty translation."""
+        greedy), into target_lang (a multilingual model needs it); with `prefix` (a text per
+        line), each translation starts with its line's prefix. An empty line gives an empty
+        translation."""
         found = self.hypotheses(
-            lines, beam, 1, length_penalty, batch_tokens, workers, target_lang=target_lang
-        )
+            lines, beam, 1, length_penalty, batch_tokens, workers, target_lang=target_lang,
+            prefix=prefix,
+        )  # fmt: skip
         return [h[0].text for h in found]
 
     def hypotheses(
@@ -144,11 +147,15 @@ class Translator:
         workers: int | None = None,
         sampling: tuple[float, int, int] | None = None,
         target_lang: str | None = None,
+        prefix: Sequence[str] | None = None,
     ) -> list[list[Translation]]:
         """The n_best translations of each line with their scores (Translation.text, .score);
-        `sampling` = (temperature, top_k, seed) draws n_best instead of searching."""
+        `sampling` = (temperature, top_k, seed) draws n_best instead of searching; `prefix`
+        as translate takes it."""
         options = self.options(beam, n_best, length_penalty, sampling=sampling)
-        return self.search(lines, options, batch_tokens, workers, target_lang=target_lang)
+        return self.search(
+            lines, options, batch_tokens, workers, target_lang=target_lang, prefix=prefix
+        )
 
     def options(
         self,
@@ -230,10 +237,13 @@ class Translator:
         workers: int | None = None,
         first_line: int = 0,
         target_lang: str | None = None,
+        prefix: Sequence[str] | None = None,
     ) -> list[list[Translation]]:
         """Search (or sample) with `options` over lines: what the other methods call.
         `first_line`: the number of lines before these in a longer input (sampling seeds);
-        `target_lang`: the language to translate into (a multilingual model needs it)."""
+        `target_lang`: the language to translate into (a multilingual model needs it);
+        `prefix`: per line, the text its translations start with (prefix-constrained search:
+        the pieces of the prefix, then the search goes on; "" for none)."""
         if isinstance(lines, str) or not isinstance(lines, Sequence):
             raise AttnmtError("lines: expected a list of sentences (one str: wrap it in a list)")
         for i, line in enumerate(lines):
@@ -243,12 +253,17 @@ class Translator:
             _check_int("batch_tokens", batch_tokens, 1, 1 << 40)
         if workers is not None:
             _check_int("workers", workers, 1, 64)
-        prefix = self.source_prefix(target_lang)
+        target_prefix = None
+        if prefix is not None:
+            _check_strs("prefix", prefix)
+            if len(prefix) != len(lines):
+                raise AttnmtError(f"prefix: {len(prefix)} prefixes for {len(lines)} lines")
+            target_prefix = self.tokenizer.tgt.encode([p.strip() for p in prefix])
         return run_search(
             self.model, self.tokenizer, list(lines), options,
             batch_tokens=batch_tokens or self.cfg.decode.batch_tokens, device=self.device,
             workers=workers or self.workers, first_line=first_line, matmul=self.matmul,
-            prefix=prefix,
+            prefix=self.source_prefix(target_lang), target_prefix=target_prefix,
         )  # fmt: skip
 
     def stream(
@@ -258,6 +273,7 @@ class Translator:
         batch_tokens: int | None = None,
         workers: int | None = None,
         target_lang: str | None = None,
+        prefixes: Iterator[str] | None = None,
     ) -> Iterator[tuple[list[str], list[list[Translation]]]]:
         """Translate a stream chunk by chunk, yielding each chunk's lines and their results as
         soon as they are done: memory stays bounded whatever the input's length.
@@ -265,7 +281,8 @@ class Translator:
         `source`: a file (plain or .gz), a pipe or FIFO, or None for standard input (from a
         pipe or a terminal, a chunk ends when no more input is waiting, so a line sent alone
         is answered at once: data.input_chunks); or any iterable of lines, taken CHUNK_LINES
-        at a time."""
+        at a time. `prefixes`: a target prefix per line, in step with the lines (a prefix
+        file with another line count is an error naming both counts)."""
         if source is None or isinstance(source, (str, Path)):
             chunks: Iterable[list[str]] = input_chunks(None if source is None else Path(source))
         else:
@@ -274,9 +291,14 @@ class Translator:
         self.source_prefix(target_lang)  # a missing or unknown language fails before reading
         done = 0  # lines translated so far
         for chunk in chunks:
-            found = self.search(chunk, options, batch_tokens, workers, done, target_lang)
+            prefix = None if prefixes is None else list(itertools.islice(prefixes, len(chunk)))
+            if prefix is not None and len(prefix) < len(chunk):
+                raise AttnmtError(f"--prefix: {done + len(prefix):,} lines, fewer than the input's")
+            found = self.search(chunk, options, batch_tokens, workers, done, target_lang, prefix)
             yield chunk, found
             done += len(chunk)
+        if prefixes is not None and next(prefixes, None) is not None:
+            raise AttnmtError(f"--prefix: more lines than the input's {done:,}")
 
     def score_pairs(
         self,
