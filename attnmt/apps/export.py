@@ -13,10 +13,7 @@ SentencePiece pieces.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,9 +23,9 @@ import torch
 from torch import nn
 
 from attnmt.config import Config
-from attnmt.data.files import dir_mode, free_space, reason
+from attnmt.data.files import WriteError, atomic_directory, free_space, reason
 from attnmt.data.text import read_lines, read_test_set
-from attnmt.data.tokenizer import language_tag
+from attnmt.data.tokenizer import BOS_ID, PAD_ID, Tokenizer, language_tag
 from attnmt.decoding.translator import Translator
 from attnmt.errors import AttnmtError
 from attnmt.models.directory import load_model_dir, read_run_files
@@ -78,35 +75,26 @@ def export_ctranslate2(
     spec.config.layer_norm_epsilon = net.encoder_layers[0].res_attn.norm.eps  # all are torch's
     spec.validate()
     spec.optimize(quantization=quantization)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    except OSError as e:
-        raise AttnmtError(f"{out}: cannot write there ({e.strerror or e})") from None
-    try:
-        spec.save(str(tmp))
+    with atomic_directory(out, "the export") as tmp:
+        try:
+            spec.save(str(tmp))
+        except RuntimeError as e:  # CTranslate2's own write failing: a full disk, RLIMIT_FSIZE
+            raise WriteError(
+                f"{out}: cannot write the export ({reason(e)}; {free_space(tmp)})"
+            ) from None
         for name, data in tokenizer.files().items():
             (tmp / name).write_bytes(data)
-        (tmp / GENERATION_FILE).write_text(json.dumps(generation(cfg), indent=2) + "\n")
-        os.chmod(tmp, dir_mode())
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except (OSError, RuntimeError) as e:  # a full disk, RLIMIT_FSIZE: CTranslate2 or ours
-        raise AttnmtError(
-            f"{out}: cannot write the export ({reason(e)}; {free_space(tmp)})"
-        ) from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / GENERATION_FILE).write_text(json.dumps(generation(cfg, tokenizer), indent=2) + "\n")
     return sorted(p.name for p in out.iterdir())
 
 
-# The pieces of the ids attnmt's search never outputs (padding, the start token: conformed
-# SentencePiece models name them so): CTranslate2's suppress_sequences.
-NEVER_OUTPUT = ("<pad>", "<s>")
+def never_output(tokenizer: Tokenizer) -> list[list[str]]:
+    """CTranslate2's suppress_sequences for the pieces attnmt's search never outputs: padding
+    and the start token (decoding.search.pick_output)."""
+    return [[piece] for piece in tokenizer.tgt.pieces([PAD_ID, BOS_ID])]
 
 
-def generation(cfg: Config) -> dict[str, Any]:
+def generation(cfg: Config, tokenizer: Tokenizer) -> dict[str, Any]:
     """The model's decoding options for CTranslate2's translate_batch, written beside the export
     (CTranslate2's own default output limit is 256 pieces, whatever the source length)."""
     d = cfg.decode
@@ -117,7 +105,7 @@ def generation(cfg: Config) -> dict[str, Any]:
     )
     return {
         **({"source_prefix": tags} if tags else {}),
-        "suppress_sequences": [[piece] for piece in NEVER_OUTPUT],
+        "suppress_sequences": never_output(tokenizer),
         "beam_size": d.beam,
         "length_penalty": d.length_penalty,
         "max_input_length": d.max_src_len,
@@ -197,7 +185,7 @@ def check_agreement(
             limit = int(decode.max_len_a * (len(pieces) + 1)) + decode.max_len_b
             got = theirs.translate_batch(
                 [pieces], beam_size=1, max_decoding_length=limit,
-                suppress_sequences=[[piece] for piece in NEVER_OUTPUT],
+                suppress_sequences=never_output(ours.tokenizer),
             )  # fmt: skip
             same += ours.tokenizer.tgt.sp.decode(got[0].hypotheses[0]) == expected
         found.append(Agreement(same, len(lines), source, f"into {lang}" if lang else ""))

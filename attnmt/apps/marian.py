@@ -14,10 +14,8 @@ attnmt cannot express is refused in one line naming the setting.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +23,9 @@ from typing import Any
 
 import torch
 
+from attnmt.apps.export import check_export_path
 from attnmt.config import Config, ModelConfig, from_dict
-from attnmt.data.files import atomic_write_bytes
+from attnmt.data.files import atomic_directory, atomic_write_bytes
 from attnmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, SubwordVocab, Tokenizer
 from attnmt.errors import CheckpointError
 from attnmt.models.build import build_model
@@ -65,6 +64,7 @@ class Imported:
 def import_huggingface(source: Path, out: Path, force: bool = False) -> Imported:
     """Write the attnmt model directory `out` from the MarianMTModel directory `source`."""
     files = _source_files(source)
+    check_export_path(source, out, force)  # before any work; never onto what it is made from
     hf = _read_json(files["config"])
     cfg_model, notes = model_config(hf, files["config"])
     weights = _read_weights(files["weights"])
@@ -86,7 +86,7 @@ def import_huggingface(source: Path, out: Path, force: bool = False) -> Imported
     state = attnmt_state(hf, weights, src_rows, tgt_rows, cfg_model, files["weights"])
     model.load_state_dict(state, strict=True)
     cfg = _config(cfg_model, hf, source, out, joint)
-    _write(out, force, cfg, tokenizer, model, source)
+    _write(out, cfg, tokenizer, model, source)
     return Imported(
         sum(p.numel() for p in model.parameters()), len(tokenizer.src), len(tokenizer.tgt),
         missing_src + missing_tgt, notes,
@@ -298,35 +298,14 @@ def _config(
     return from_dict(raw)
 
 
-def _write(
-    out: Path, force: bool, cfg: Config, tokenizer: Tokenizer, model: Any, source: Path
-) -> None:
+def _write(out: Path, cfg: Config, tokenizer: Tokenizer, model: Any, source: Path) -> None:
     """The model directory, built beside `out` and renamed into place: never half-written."""
-    with built_beside(out, force, "import") as tmp:
+    with atomic_directory(out, "the imported model") as tmp:
         write_run_files(tmp, cfg, tokenizer)
         meta = json.loads((tmp / META_FILE).read_text(encoding="utf-8"))
         meta["imported_from"] = {"format": "huggingface", "path": str(source.resolve())}
         atomic_write_bytes(tmp / META_FILE, json.dumps(meta, indent=2).encode("utf-8"))
         save_weights(model, tmp / BEST_FILE, tokenizer_digest(tokenizer_shas(tokenizer)))
-
-
-@contextlib.contextmanager
-def built_beside(out: Path, force: bool, what: str) -> Iterator[Path]:
-    """A directory made beside `out` and renamed to it when the block succeeds (removed when
-    it fails): `out` is never half-written. An existing `out` is refused unless `force`."""
-    if out.exists() and not force:
-        raise CheckpointError(f"{out}: exists; --force replaces it")
-    tmp = out.with_name(f".{out.name}.{what}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        yield tmp
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 # --- out: an attnmt model as a MarianMTModel directory (`attnmt export --format huggingface`) ---
@@ -344,6 +323,7 @@ def export_huggingface(
 
     from attnmt.models.directory import load_model_dir
 
+    check_export_path(model_dir, out, force)  # before any work; never onto the model itself
     cfg, tokenizer, model = load_model_dir(model_dir, weights)
     m = cfg.model
     why = (
@@ -372,7 +352,7 @@ def export_huggingface(
         "tie_word_embeddings": m.tie_embeddings,
     }  # fmt: skip
     vocab = {tokenizer.tgt.sp.id_to_piece(i): i for i in range(V)}
-    with built_beside(out, force, "export") as tmp:
+    with atomic_directory(out, "the export") as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
         (tmp / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))

@@ -518,16 +518,12 @@ def _translate_route(
 
 
 async def finished(http: Request, future: Future) -> bool:
-    """Wait for `future`; False as soon as the client has gone, or the server is stopping
-    (its shutdown cancels the request), instead."""
+    """Wait for `future`; False as soon as the client has gone instead."""
     waiting = asyncio.wrap_future(future)
-    try:
-        while not waiting.done():
-            await asyncio.wait({waiting}, timeout=0.25)
-            if not waiting.done() and await http.is_disconnected():
-                return False
-    except asyncio.CancelledError:
-        return False
+    while not waiting.done():
+        await asyncio.wait({waiting}, timeout=0.25)
+        if not waiting.done() and await http.is_disconnected():
+            return False
     return True
 
 

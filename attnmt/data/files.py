@@ -9,6 +9,7 @@ an error, never a silent truncation.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import io
@@ -18,7 +19,7 @@ import shutil
 import stat
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from attnmt.errors import AttnmtError
@@ -100,6 +101,28 @@ def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def atomic_directory(out: Path, what: str) -> Iterator[Path]:
+    """A temporary directory beside `out`, which replaces `out` (what was there removed) when
+    the block succeeds, and is removed when it fails: `out` is whole or as it was. A write that
+    fails (a full disk, RLIMIT_FSIZE) is a WriteError naming `out`, `what` and the free space."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as e:
+        raise WriteError(f"{out}: cannot write there ({e.strerror or e})") from None
+    try:
+        yield tmp
+        os.chmod(tmp, dir_mode())
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except OSError as e:
+        raise WriteError(f"{out}: cannot write {what} ({reason(e)}; {free_space(tmp)})") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -134,6 +134,14 @@ def forced_tokens(
     return forced.to(device)
 
 
+def forced_at(
+    forced: torch.Tensor | None, t: int, rows: torch.Tensor | list[int]
+) -> torch.Tensor | None:
+    """Step t's prefix token of each of `rows` (sentence indices), -1 where its prefix has
+    ended; None when no sentence has one at step t."""
+    return None if forced is None or t >= forced.size(1) else forced[rows, t]
+
+
 def keep_forced(values: torch.Tensor, tokens: torch.Tensor) -> None:
     """In place: each row whose token is >= 0 keeps that token's value, the others -inf."""
     rows = (tokens >= 0).nonzero().squeeze(1)  # (n,)
@@ -141,6 +149,19 @@ def keep_forced(values: torch.Tensor, tokens: torch.Tensor) -> None:
         kept = values[rows, tokens[rows]]  # (n,)
         values[rows] = -torch.inf
         values[rows, tokens[rows]] = kept
+
+
+def step_log_probs(
+    logits: torch.Tensor, model: Seq2Seq, forced: torch.Tensor | None
+) -> torch.Tensor:
+    """Beam search's next-token log-probabilities (n, V), normalised over the whole
+    vocabulary, then -inf for what may not come next: padding and the start token (never an
+    output, see pick_output) and, in rows within a prefix (`forced` >= 0), all but its token."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # (n, V)
+    logp[:, [model.pad_id, model.bos_id]] = -torch.inf
+    if forced is not None:
+        keep_forced(logp, forced)
+    return logp
 
 
 @dataclass
@@ -220,8 +241,7 @@ def greedy_search(
     for t in range(int(limits.max())):
         logits, state, attn = model.decode_step(memory, state, prev, attention)  # (B_r, V)
         nxt = pick_output(logits, pick, model)  # (B_r,)
-        if forced is not None and t < forced.size(1):  # a prefix's token, where it goes on
-            want = forced[rows, t]  # (B_r,)
+        if (want := forced_at(forced, t, rows)) is not None:  # a prefix's token, where it goes on
             nxt = torch.where(want >= 0, want, nxt)
         if scores:
             logp = torch.log_softmax(logits.float(), dim=-1).gather(1, nxt[:, None])  # (B_r, 1)
@@ -328,10 +348,8 @@ def beam_search(
     for t in range(int(limits.max())):
         n = len(active)
         logits, state, attn = model.decode_step(memory, state, prev, attention)  # (n*K, V)
-        logp = torch.log_softmax(logits.float(), dim=-1)  # (n*K, V)
-        logp[:, [model.pad_id, model.bos_id]] = -torch.inf  # never an output (normalised over all)
-        if forced is not None and t < forced.size(1):  # within a prefix: its token only
-            keep_forced(logp, forced[torch.tensor(active, device=device), t].repeat_interleave(K))
+        want = forced_at(forced, t, active)  # (n,) or None
+        logp = step_log_probs(logits, model, None if want is None else want.repeat_interleave(K))
         top_scores, top_beam, top_tok = _best_candidates(scores, logp)  # (n, 2K) each
         if attn is not None:
             a = attn.float().unsqueeze(1)  # (n*K, 1, S)

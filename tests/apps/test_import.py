@@ -207,3 +207,13 @@ def test_export_to_huggingface_round_trips(tmp_path, run_cli, trained):
         "export", "--format", "huggingface", str(hf_dir), str(tmp_path / "x")
     )
     assert trained_pre_norm.code == 2  # not an attnmt model directory: one line
+
+
+def test_import_and_export_never_write_onto_what_they_read(tmp_path, run_cli, trained):
+    hf_dir = marian_dir(tmp_path, "relu", True, False)
+    r = run_cli("import", str(hf_dir), "--out", str(hf_dir), "--force")
+    assert r.code == 2 and "is, holds or is inside the model directory" in r.stderr
+    assert (hf_dir / "config.json").is_file()  # untouched
+    model = trained[0]
+    r = run_cli("export", "--format", "huggingface", str(model), str(model / "hf"), "--force")
+    assert r.code == 2 and "is, holds or is inside the model directory" in r.stderr
