@@ -158,7 +158,7 @@ def step_log_probs(
     vocabulary, then -inf for what may not come next: padding and the start token (never an
     output, see pick_output) and, in rows within a prefix (`forced` >= 0), all but its token."""
     logp = torch.log_softmax(logits.float(), dim=-1)  # (n, V)
-    logp[:, [model.pad_id, model.bos_id]] = -torch.inf
+    logp[:, model.pad_id] = logp[:, model.bos_id] = -torch.inf
     if forced is not None:
         keep_forced(logp, forced)
     return logp
@@ -177,12 +177,15 @@ def pick_output(
 ) -> torch.Tensor:
     """pick(logits) (B, V) -> (B,) among the tokens a translation may hold: never padding or
     the start token (a model's probability for them is not a choice; transformers' Marian
-    models forbid the pad id the same way). The logits are restored after, for the scores."""
-    special = [model.pad_id, model.bos_id]
-    saved = logits[:, special].clone()  # (B, 2)
-    logits[:, special] = -torch.inf
-    nxt = pick(logits)
-    logits[:, special] = saved
+    models forbid the pad id the same way). Only the rows whose pick was one of them pick
+    again, without it: the same choice as masking first (for a draw, the same distribution),
+    and no copy of the logits on the common path. `logits` is left as it was, for scores."""
+    nxt = pick(logits)  # (B,)
+    again = ((nxt == model.pad_id) | (nxt == model.bos_id)).nonzero().squeeze(1)  # (n,)
+    if again.numel():
+        rows = logits[again]  # (n, V): a copy
+        rows[:, model.pad_id] = rows[:, model.bos_id] = -torch.inf
+        nxt[again] = pick(rows)
     return nxt
 
 
