@@ -179,5 +179,5 @@ def test_prefetcher_gives_what_make_gives_and_makes_ahead():
     assert made == [[[1, 2]]] and first[0].src.tolist() == [[5, 5, 2]]
     prefetch.ahead([[3]])
     assert prefetch.get([[4]])[0].index == [4]  # asked for other batches: made now
-    assert made[-1] == [[4]]
-    prefetch.close()
+    prefetch.close()  # [[3]], unused, was made meanwhile or cancelled
+    assert made[0] == [[1, 2]] and [[4]] in made and len(made) <= 3
