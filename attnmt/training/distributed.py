@@ -47,8 +47,12 @@ class Ranks:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t[0] == -t[1])
 
-    def shutdown(self) -> None:
+    def shutdown(self, finished: bool) -> None:
+        """Leave the process group. A rank that `finished` waits until every rank has: none
+        tears its connections down while another still uses them."""
         if self.world > 1 and dist.is_initialized():
+            if finished:
+                dist.barrier()
             dist.destroy_process_group()
 
 

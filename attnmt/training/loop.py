@@ -13,6 +13,7 @@ would have taken (on CPU its weights are byte-identical).
 from __future__ import annotations
 
 import contextlib
+import gc
 import signal
 from pathlib import Path
 from typing import Any
@@ -64,18 +65,24 @@ def train(
             ranks.barrier()  # the model directory exists before any rank reads or writes it
         log = RunLog(out, quiet, enabled=ranks.is_main)
         backend = cfg.train.matmul if device.type == "cpu" else "blas"
+        summary = None
         try:
             with matmul_backend(backend):
                 with DiscardedOnError(out, existed, fresh):
                     run = setup(cfg, out, resume, ranks, device, log)
                 try:
-                    return train_loop(run)
+                    summary = train_loop(run)
                 finally:
                     if run.prefetch:
                         run.prefetch.close()
+                    # DDP's reducer holds the process group: released now, not at the
+                    # interpreter's exit, where tearing gloo's threads down may abort.
+                    del run
+                    gc.collect()
         finally:
             log.close()  # also when training fails: no log file is left open
-            ranks.shutdown()
+            ranks.shutdown(finished=summary is not None)
+        return summary
 
 
 class DiscardedOnError:

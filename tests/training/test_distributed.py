@@ -28,6 +28,12 @@ def torchrun(cfg: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
     return run
 
 
+def said(run: subprocess.CompletedProcess) -> str:
+    """What a failed torchrun printed: its start (the first error) and its end (the summary)."""
+    err = run.stderr
+    return err if len(err) <= 6000 else f"{err[:3000]}\n[...]\n{err[-3000:]}"
+
+
 def differing_tensors(a: Path, b: Path) -> list[str]:
     x, y = load_file(a), load_file(b)
     return [
@@ -46,7 +52,7 @@ def test_two_processes_train_in_sync_and_resume_exactly(tmp_path: Path, corpus):
     raw["train"].update({"max_steps": 8, "eval_every": 4, "threads": 1})
     cfg = write_config(tmp_path / "c.yaml", raw)
     full = torchrun(cfg, tmp_path / "full")
-    assert full.returncode == 0, full.stderr[-3000:]
+    assert full.returncode == 0, said(full)
     log = events(tmp_path / "full")
     model = next(e for e in log if e["event"] == "model")
     assert "2 processes" in (tmp_path / "full" / "train.log").read_text()
@@ -62,9 +68,9 @@ def test_two_processes_train_in_sync_and_resume_exactly(tmp_path: Path, corpus):
 
     # Interrupted after step 4, resumed to 8: the same weights as the uninterrupted run.
     part = torchrun(cfg, tmp_path / "part", "--set", "train.max_steps=4")
-    assert part.returncode == 0, part.stderr[-3000:]
+    assert part.returncode == 0, said(part)
     resumed = torchrun(cfg, tmp_path / "part", "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, said(resumed)
     a, b = tmp_path / "full" / "last.safetensors", tmp_path / "part" / "last.safetensors"
     assert a.read_bytes() == b.read_bytes(), differing_tensors(a, b)
 
@@ -77,7 +83,7 @@ def test_two_processes_accumulate_and_stay_in_sync(tmp_path: Path, corpus):
     raw["train"].update({"max_steps": 4, "eval_every": 4, "threads": 1, "accumulate": 2})
     cfg = write_config(tmp_path / "c.yaml", raw)
     run = torchrun(cfg, tmp_path / "m")
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, said(run)
     log = events(tmp_path / "m")
     assert next(e for e in log if e["event"] == "model")["batches_per_update"] == 4
     (check,) = [e for e in log if e["event"] == "ranks"]
