@@ -8,7 +8,7 @@ import math
 import random
 import re
 from collections.abc import Iterable, Iterator, Sequence
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -224,6 +224,16 @@ class SubwordVocab:
 
     def pieces(self, ids: Sequence[int]) -> list[str]:
         return [self.sp.id_to_piece(int(i)) for i in ids]
+
+    @cached_property
+    def word_inner(self) -> list[bool]:
+        """Per id: whether the piece that continue the word before them (a letter or digit
+        without SentencePiece's word-start mark ▁); not punctuation, nor special pieces."""
+        sp = self.sp
+        return [
+            not (sp.is_control(i) or sp.is_unknown(i)) and sp.id_to_piece(i)[:1].isalnum()
+            for i in range(len(self))
+        ]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.sp.decode([int(i) for i in ids])

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from attnmt.config import DecodeConfig
+from attnmt.decoding.constraints import Constraints, Wanted
 from attnmt.kernels import argmax_rows, topk_rows
 from attnmt.models.seq2seq import AttentionSpec, Seq2Seq
 
@@ -104,6 +105,7 @@ def decode(
     src_pad_mask: torch.Tensor,
     options: SearchOptions,
     prefix: Sequence[Sequence[int]] | None = None,
+    constraints: Wanted | None = None,
 ) -> list[list[Hypothesis]]:
     """Decode a batch: for each sentence, options.n_best hypotheses (best first).
 
@@ -111,11 +113,14 @@ def decode(
         src: (B, S) source ids, EOS included; src_pad_mask: (B, S) bool, True at padding.
         prefix: per sentence, target ids every hypothesis starts with (interactive MT: the
             words a translator typed); the search goes on from there.
+        constraints: per sentence, target phrases (ids) its output must contain; beam
+            search only (beam_search, attnmt.decoding.constraints).
     """
     method = options.method
     forced = forced_tokens(prefix, src.size(0), src.device)
     if isinstance(method, Beam):
-        return beam_search(model, src, src_pad_mask, options, forced)
+        return beam_search(model, src, src_pad_mask, options, forced, constraints)
+    assert not constraints or not any(constraints.phrases), "constraints need beam search"
     if isinstance(method, Sampling):
         return sample(model, src, src_pad_mask, options, forced)
     return [[h] for h in greedy_search(model, src, src_pad_mask, options, forced=forced)]
@@ -170,6 +175,7 @@ class Hypothesis:
     score: float  # log-probability, divided by the length penalty in beam search (NaN: not asked)
     ended: bool  # True if it ended with EOS, False if the length limit cut it
     attention: torch.Tensor | None = None  # (steps, S): one row per token, EOS included
+    unmet: int = 0  # constrained search: constraints it lacks (the length limit came first)
 
 
 def pick_output(
@@ -314,6 +320,7 @@ def beam_search(
     src_pad_mask: torch.Tensor,
     options: SearchOptions,
     forced: torch.Tensor | None = None,
+    constraints: Wanted | None = None,
 ) -> list[list[Hypothesis]]:
     """Batched beam search: all sentences and all their beams advance as one tensor.
 
@@ -323,6 +330,10 @@ def beam_search(
     finished hypotheses (the rule of OpenNMT-py), or at its length limit, when its live beams
     are finished as they are; it then leaves the batch. Finished hypotheses are ranked by
     log-probability / length_penalty(length, alpha), with length counting EOS.
+
+    `constraints`: per sentence, phrases (target ids) its output must contain: lexically
+    constrained search (attnmt.decoding.constraints); a hypothesis ends only once it has met
+    them all, or at the length limit (then Hypothesis.unmet counts those it lacks).
 
     Returns:
         For each sentence, its n_best hypotheses: the 1-best first, then by score (_Finished).
@@ -348,27 +359,34 @@ def beam_search(
     prev = torch.full((B * K,), model.bos_id, dtype=torch.long, device=device)
     active = list(range(B))  # original sentence index of each active row block
     results = _Finished(alpha, n_best, B)
+    constrained = constraints is not None and any(constraints.phrases)
+    banks = Constraints(constraints, K, device) if constrained else None
     for t in range(int(limits.max())):
         n = len(active)
         logits, state, attn = model.decode_step(memory, state, prev, attention)  # (n*K, V)
         want = forced_at(forced, t, active)  # (n,) or None
         logp = step_log_probs(logits, model, None if want is None else want.repeat_interleave(K))
-        top_scores, top_beam, top_tok = _best_candidates(scores, logp)  # (n, 2K) each
         if attn is not None:
             a = attn.float().unsqueeze(1)  # (n*K, 1, S)
             attn_hist = a if attn_hist is None else torch.cat([attn_hist, a], dim=1)
-        # 1. EOS among each sentence's top K candidates finishes a hypothesis.
-        is_eos = top_tok == model.eos_id  # (n, 2K)
-        finish = is_eos.clone()
-        finish[:, K:] = False
+        # 1. EOS among each sentence's first K candidates finishes a hypothesis; 2. the K
+        # first that are not EOS continue (first: by score, or by the constraints' banks).
+        if banks is None:
+            top_scores, top_beam, top_tok = _best_candidates(scores, logp)  # (n, 2K) each
+            finish, pick, is_eos = _choose(top_scores, top_tok, model.eos_id, K)
+            best_is_eos = is_eos[:, 0].tolist()
+        else:
+            banks.forbid_eos(logp, model.eos_id)
+            cands = banks.candidates(scores, logp, model.eos_id)  # (n, M) each
+            top_scores, top_beam, top_tok = cands.scores, cands.beams, cands.tokens
+            finish, pick, best_eos = banks.choose(cands, model.eos_id, K)
+            best_is_eos = best_eos.tolist()
         for r, c in finish.nonzero().tolist():
             row = r * K + int(top_beam[r, c])
             results.add(
                 active[r], tokens[row], float(top_scores[r, c]), t + 1, True, attn_hist, row
             )
-        # 2. The K best candidates that are not EOS continue.
-        cont_scores = top_scores.masked_fill(is_eos, float("-inf"))  # (n, 2K)
-        new_scores, pick = cont_scores.topk(K, dim=1)  # (n, K)
+        new_scores = top_scores.gather(1, pick)  # (n, K)
         new_beam = top_beam.gather(1, pick)  # (n, K)
         new_tok = top_tok.gather(1, pick)  # (n, K)
         rows = (torch.arange(n, device=device).unsqueeze(1) * K + new_beam).view(-1)  # (n*K,)
@@ -380,14 +398,14 @@ def beam_search(
         # as they are. Stopping as soon as K hypotheses finished would not do: on a confident
         # model the EOS extensions of poor beams fill those K places while the best beam is
         # still in mid-sentence.
-        best_is_eos = is_eos[:, 0].tolist()
         at_limit = (limits[active] <= t + 1).tolist()
+        unmet = [0] * (n * K) if banks is None else banks.unmet().tolist()
         keep = []
         for r in range(n):
             for j in range(K if at_limit[r] else 0):
                 row = r * K + j
                 results.add(active[r], tokens[row], float(new_scores[r, j]), t + 1, False,
-                            attn_hist, row)  # fmt: skip
+                            attn_hist, row, unmet[row])  # fmt: skip
             if not results.done(active[r], best_is_eos[r], at_limit[r]):
                 keep.append(r)
         # 4. Done sentences leave; the others go on with their reordered beams.
@@ -404,10 +422,25 @@ def beam_search(
             scores, prev, tokens = scores[keep_t], prev[keep_rows], tokens[keep_rows]
             if attn_hist is not None:
                 attn_hist = attn_hist[keep_rows]
+            if banks is not None:
+                banks.keep(keep_rows)
             active = [active[r] for r in keep]
         else:
             state = model.select_state(state, rows)
     return results.n_best_lists()
+
+
+def _choose(
+    top_scores: torch.Tensor, top_tok: torch.Tensor, eos_id: int, K: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unconstrained beam search's choice among each sentence's 2K best candidates (n, 2K),
+    best first: the EOS among the first K finish ((n, 2K) bool), the K best others continue
+    ((n, K) indices); also which candidates are EOS."""
+    is_eos = top_tok == eos_id  # (n, 2K)
+    finish = is_eos.clone()
+    finish[:, K:] = False
+    _, pick = top_scores.masked_fill(is_eos, float("-inf")).topk(K, dim=1)  # (n, K)
+    return finish, pick, is_eos
 
 
 def _best_candidates(
@@ -446,17 +479,22 @@ class _Finished:
         ended: bool,
         attn_hist: torch.Tensor | None,
         row: int,
+        unmet: int = 0,
     ) -> None:
-        """Finish a hypothesis of sentence `sent`: tokens (t,), the attention of beam row `row`."""
+        """Finish a hypothesis of sentence `sent`: tokens (t,), the attention of beam row `row`,
+        `unmet` of its constraints not met."""
         attn = attn_hist[row] if attn_hist is not None else None
-        self.hyps[sent].append(_hypothesis(tokens, logprob, length, self.alpha, ended, attn))
+        hyp = _hypothesis(tokens, logprob, length, self.alpha, ended, attn)
+        hyp.unmet = unmet
+        self.hyps[sent].append(hyp)
 
     def done(self, sent: int, best_is_eos: bool, at_limit: bool) -> bool:
         """Whether sentence `sent` is done (see beam_search). Where a 1-best search would stop,
         its answer is kept: it heads the n-best list too."""
         hyps = self.hyps[sent]
         if self.first[sent] is None and (at_limit or (best_is_eos and hyps)):
-            self.first[sent] = max(hyps, key=lambda h: h.score)
+            # Constrained at the length limit: one that met every constraint, if any did.
+            self.first[sent] = max(hyps, key=lambda h: (h.unmet == 0, h.score))
         return at_limit or (best_is_eos and len(hyps) >= self.n_best)
 
     def n_best_lists(self) -> list[list[Hypothesis]]:
@@ -466,7 +504,8 @@ class _Finished:
         out = []
         for hyps, first in zip(self.hyps, self.first, strict=True):
             assert first is not None
-            rest = sorted((h for h in hyps if h is not first), key=lambda h: -h.score)
+            rest = [h for h in hyps if h is not first]
+            rest.sort(key=lambda h: (h.unmet > 0, -h.score))  # constraints met first
             out.append([first, *rest][: self.n_best])
         return out
 

@@ -13,6 +13,7 @@ import torch
 from attnmt.data.batches import pad_sequences, sorted_batches
 from attnmt.data.processes import map_batches
 from attnmt.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
+from attnmt.decoding.constraints import Wanted
 from attnmt.decoding.search import Hypothesis, Sampling, SearchOptions, decode
 from attnmt.device import PRECISION_DTYPES
 from attnmt.errors import DataError
@@ -28,6 +29,7 @@ class Translation:
     src_pieces: list[str]  # source subwords (EOS included), the attention's columns
     tgt_pieces: list[str]  # output subwords (and EOS if it ended so), the attention's rows
     attention: torch.Tensor | None  # (len(tgt_pieces), len(src_pieces)) when asked for
+    unmet: int = 0  # constrained search: the constraints it lacks (the length limit came first)
 
 
 def translate(
@@ -44,6 +46,7 @@ def translate(
     matmul: str | None = None,
     prefix: Sequence[int] = (),
     target_prefix: Sequence[Sequence[int]] | None = None,
+    constraints: Sequence[Sequence[Sequence[int]]] | None = None,
 ) -> list[list[Translation]]:
     """Translate each line: options.n_best translations per input, in input order.
 
@@ -57,6 +60,8 @@ def translate(
     backend (blas or onednn) to search with; None: the one in use here (kernels.matmul_backend).
     `prefix`: ids before every source (a multilingual model's target-language tag), shown as
     source pieces. `target_prefix`: per line, the target ids its translations start with.
+    `constraints`: per line, target phrases (ids) its translations must contain (beam search);
+    a line whose best translation lacks one (the length limit came first) is named on stderr.
     """
     was_training = model.training
     model.eval()
@@ -75,7 +80,12 @@ def translate(
     batches = list(sorted_batches([len(s) for s in src], batch_tokens, batch_sentences))
 
     wanted = None if target_prefix is None else [list(target_prefix[i]) for i in todo]
-    job = _SearchJob(model, src, options, device, first_line, matmul or active_backend(), wanted)
+    phrases = None if constraints is None else [[list(p) for p in constraints[i]] for i in todo]
+    inner = None if constraints is None else torch.tensor(tokenizer.tgt.word_inner)
+    job = _SearchJob(
+        model, src, options, device, first_line, matmul or active_backend(), wanted, phrases,
+        inner,
+    )  # fmt: skip
     results = map_batches(job, batches, workers, device)
     for batch, found in zip(batches, results, strict=True):
         for j, hyps in zip(batch, found, strict=True):
@@ -87,9 +97,17 @@ def translate(
                     src_pieces,
                     tokenizer.tgt.pieces(h.tokens) + (["</s>"] if h.ended else []),
                     None if h.attention is None else h.attention[:, : len(src_pieces)].cpu(),
+                    h.unmet,
                 )
                 for h in hyps
             ]
+            if hyps[0].unmet:
+                print(
+                    f"attnmt: warning: input line {first_line + todo[j] + 1}: "
+                    f"{hyps[0].unmet} of {len(phrases[j])} constraints not met within the "
+                    "length limit (decode.max_len_a, max_len_b)",
+                    file=sys.stderr,
+                )  # fmt: skip
     model.train(was_training)
     return outputs
 
@@ -108,6 +126,8 @@ class _SearchJob:
     first_line: int  # lines of the input before these (a chunk's offset): sampling seeds
     matmul: str  # the CPU fp32 matmul backend, set in whichever thread searches
     target_prefix: list[list[int]] | None = None  # per source: the ids its output starts with
+    constraints: list[list[list[int]]] | None = None  # per source: phrases its output holds
+    word_inner: torch.Tensor | None = None  # (V,) bool: target pieces inside a word
 
     @torch.inference_mode()  # per thread, like grad mode: set in the thread that searches
     def __call__(self, batch: list[int]) -> list[list[Hypothesis]]:
@@ -119,8 +139,11 @@ class _SearchJob:
             seed = hash((method.seed, self.first_line + batch[0])) & SEED_MASK
             options = replace(options, method=replace(method, seed=seed))
         wanted = None if self.target_prefix is None else [self.target_prefix[j] for j in batch]
+        phrases = None
+        if self.constraints is not None:
+            phrases = Wanted([self.constraints[j] for j in batch], self.word_inner)
         with matmul_backend(self.matmul):
-            return decode(self.model, tokens, pad_mask, options, wanted)
+            return decode(self.model, tokens, pad_mask, options, wanted, phrases)
 
 
 def translate_lines(
