@@ -61,6 +61,9 @@ class Limits:
         return self.max_lines * (12 * self.max_chars + 8) + 4096
 
 
+MAX_PHRASES = 32  # constraints per line a request may give
+
+
 class SamplingRequest(BaseModel):
     """Draw translations instead of searching (translate --sampling)."""
 
@@ -95,6 +98,10 @@ class TranslateRequest(BaseModel):
         None, description="Per line of `text`, the text its translation starts with "
         '(prefix-constrained search: interactive MT); "" for none.',
     )  # fmt: skip
+    constraints: list[list[str]] | None = Field(
+        None, description="Per line of `text`, target phrases its translation must contain "
+        f"(lexically constrained beam search; at most {MAX_PHRASES} a line); [] for none.",
+    )  # fmt: skip
 
 
 class Scored(BaseModel):
@@ -111,8 +118,17 @@ class AttentionMap(BaseModel):
     )
 
 
+class AppliedTerm(BaseModel):
+    source: str
+    target: str
+
+
 class TranslateResponse(BaseModel):
     translations: list[str] = Field(description="The best translation of each line.")
+    terms: list[list[AppliedTerm]] | None = Field(
+        None, description="With serve --terminology: each line's terms, found in it and "
+        "required in its translation.",
+    )  # fmt: skip
     n_best: list[list[Scored]] | None = Field(
         None, description="With n_best above 1: each line's hypotheses, best first."
     )
@@ -131,6 +147,7 @@ class _Job:
     options: SearchOptions
     target_lang: str | None
     prefix: list[str]  # per line, what its translation starts with ("": nothing)
+    constraints: list[list[str]]  # per line, phrases its translation contains
     future: Future = field(default_factory=Future)
     done: list[list[Translation]] = field(default_factory=list)  # results of lines[: len(done)]
     cancelled: bool = False  # its client left: no more work for it
@@ -165,9 +182,11 @@ class Batcher:
         options: SearchOptions,
         target_lang: str | None = None,
         prefix: list[str] | None = None,
+        constraints: list[list[str]] | None = None,
     ) -> _Job:
         """Queue a job (queue.Full when the queue is full)."""
-        job = _Job(lines, options, target_lang, prefix or [""] * len(lines))
+        n = len(lines)
+        job = _Job(lines, options, target_lang, prefix or [""] * n, constraints or [[]] * n)
         self.jobs.put_nowait(job)
         return job
 
@@ -215,11 +234,12 @@ class Batcher:
         parts = [(job, len(job.done), len(job.done) + n) for job, n in batch.items()]
         lines = [line for job, start, end in parts for line in job.lines[start:end]]
         prefix = [p for job, start, end in parts for p in job.prefix[start:end]]
+        wanted = [c for job, start, end in parts for c in job.constraints[start:end]]
         first, start = parts[0][0], parts[0][1]  # a sampled job is alone: seeds from start
         try:
             out = self.translator.search(
                 lines, first.options, first_line=start, target_lang=first.target_lang,
-                prefix=prefix if any(prefix) else None,
+                prefix=prefix if any(prefix) else None, constraints=wanted,
             )  # fmt: skip
         except Exception as e:  # the server answers 500 and keeps serving
             for job in batch:
@@ -278,7 +298,8 @@ def parse_request(body: bytes) -> TranslateRequest:
         raise RequestError(422, f"{where}: {first['msg']}") from None
     except ValueError as e:  # JSONDecodeError included
         raise RequestError(422, f"not a JSON request: {e}") from None
-    for name, items in (("text", request.text), ("prefix", request.prefix or [])):
+    phrases = [(f"constraints[{i}]", c) for i, c in enumerate(request.constraints or [])]
+    for name, items in (("text", request.text), ("prefix", request.prefix or []), *phrases):
         for i, line in enumerate(items):
             try:
                 line.encode("utf-8")
@@ -302,6 +323,15 @@ def check_limits(request: TranslateRequest, limits: Limits) -> None:
                 raise RequestError(
                     413, f"prefix[{i}]: {len(p)} characters; at most {limits.max_chars}"
                 )
+    if request.constraints is not None:
+        if len(request.constraints) != len(request.text):
+            raise RequestError(422, f"constraints: {len(request.constraints)} lists for "
+                                    f"{len(request.text)} lines")  # fmt: skip
+        for i, c in enumerate(request.constraints):
+            if len(c) > MAX_PHRASES or sum(map(len, c)) > limits.max_chars:
+                raise RequestError(413, f"constraints[{i}]: {len(c)} phrases of "
+                                        f"{sum(map(len, c))} characters; at most {MAX_PHRASES} "
+                                        f"of {limits.max_chars} in all")  # fmt: skip
     if len(request.text) > limits.max_lines:
         raise RequestError(413, f"{len(request.text)} lines; at most {limits.max_lines} a request")
     for i, line in enumerate(request.text):
@@ -356,9 +386,12 @@ def request_options(translator: Translator, request: TranslateRequest) -> Search
     )
 
 
-def answer(results: list[list[Translation]], n_best: int) -> dict[str, Any]:
-    """The JSON answer: each line's best translation, and with n_best above 1 its list."""
+def answer(results: list[list[Translation]], n_best: int, terms: bool = False) -> dict[str, Any]:
+    """The JSON answer: each line's best translation, with n_best above 1 its list, and
+    with `terms` the terminology's terms each line's search applied."""
     out: dict[str, Any] = {"translations": [r[0].text for r in results]}
+    if terms:
+        out["terms"] = [[t.__dict__ for t in r[0].terms] for r in results]
     if n_best > 1:
         out["n_best"] = [[{"text": t.text, "score": round(t.score, 4)} for t in r] for r in results]
     return out
@@ -482,22 +515,26 @@ def _translate_route(
             check_limits(request, limits)
             options = request_options(translator, request)
             translator.source_prefix(request.target_lang)  # a multilingual model needs it
+            translator.constraints_of(request.text, request.constraints, options)  # can it
             check_work(translator, request, options, limits)
         except RequestError as e:
             return _error(e.status, str(e))
         except AttnmtError as e:
             return _error(422, str(e))
+        terms = translator.terminology is not None
         if not request.text:
-            return answer([], options.n_best)
+            return answer([], options.n_best, terms)
         try:
-            job = batcher.submit(request.text, options, request.target_lang, request.prefix)
+            job = batcher.submit(
+                request.text, options, request.target_lang, request.prefix, request.constraints
+            )
         except queue.Full:
             return _error(503, f"{limits.max_queue} requests waiting; try again shortly")
         if not await finished(http, job.future):
             job.cancelled = True  # the client left: its remaining lines are not searched
             return _error(499, "client closed the request")
         results = job.future.result()
-        found = answer(results, options.n_best)
+        found = answer(results, options.n_best, terms)
         if request.attention:  # off the event loop: forced decoding is CPU work
             cancel = threading.Event()
             work = in_thread(maps, translator, results, cancel)

@@ -7,6 +7,7 @@ Parses arguments and calls library functions; attnmt.cli.main runs them and turn
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -18,6 +19,7 @@ from attnmt.cli.options import (
     MatmulOption,
     PrecisionOption,
     TargetLangOption,
+    TerminologyOption,
     WeightsOption,
     WorkersOption,
 )
@@ -126,11 +128,15 @@ def translate(
     prefix: Annotated[Path | None, typer.Option(
         "--prefix", help="A target prefix per input line: each translation starts with its "
         "line's (interactive MT, autocompletion); an empty line: none.")] = None,
+    constraints: Annotated[Path | None, typer.Option(
+        "--constraints", help='Per input line, a JSON list of target phrases its translation '
+        'must contain, e.g. ["Haus"] (beam search); [] or an empty line: none.')] = None,
+    terminology: TerminologyOption = None,
 ) -> None:  # fmt: skip
     """Translate text, one line in, one line out (beam search, greedy with --beam 1, or
     --sampling: --n-best K draws K per line)."""
     from attnmt.apps.heatmap import AttentionMaps
-    from attnmt.data.text import check_input, read_lines
+    from attnmt.data.text import check_input
     from attnmt.decoding.translate import format_results
     from attnmt.decoding.translator import Translator
 
@@ -141,10 +147,8 @@ def translate(
         check_input(source)  # a missing or unreadable file fails before the model loads
     if sampling and beam is not None:
         raise AttnmtError("--sampling draws instead of searching: drop --beam")
-    if prefix is not None:
-        check_input(prefix)
-    translator = Translator.load(model, device, weights, precision, matmul, workers)
-    prefixes = None if prefix is None else iter(read_lines(prefix))
+    prefixes, wanted = per_line_inputs(prefix, constraints, terminology)
+    translator = Translator.load(model, device, weights, precision, matmul, workers, terminology)
     spec = None
     if attention is not None:
         spec = translator.attention_spec(attention_layer, attention_head)
@@ -155,12 +159,29 @@ def translate(
     # Written chunk by chunk as each is done: a line sent alone through a pipe or typed at a
     # terminal is answered at once.
     with OutputSink(output) as sink:
-        chunks = translator.stream(source, options, batch_tokens, None, target_lang, prefixes)
+        chunks = translator.stream(
+            source, options, batch_tokens, None, target_lang, prefixes, wanted
+        )
         for lines, results in chunks:
             sink.write(format_results(results, n_best, done))
             if spec is not None:
                 maps.write([r[0] for r in results], first=done)
             done += len(lines)
+
+
+def per_line_inputs(
+    prefix: Path | None, constraints: Path | None, terminology: Path | None
+) -> tuple[Iterator[str] | None, Iterator[list[str]] | None]:
+    """translate's --prefix and --constraints as per-line iterators (checked before the model
+    loads, as --terminology is)."""
+    from attnmt.data.text import check_input, read_lines
+    from attnmt.decoding.terminology import read_constraints
+
+    for given in (prefix, constraints, terminology):
+        if given is not None:
+            check_input(given)
+    prefixes = None if prefix is None else iter(read_lines(prefix))
+    return prefixes, None if constraints is None else read_constraints(constraints)
 
 
 @app.command(short_help="Average checkpoints into averaged.safetensors.")
@@ -373,6 +394,7 @@ def serve(
     workers: WorkersOption = None,
     precision: PrecisionOption = None,
     matmul: MatmulOption = None,
+    terminology: TerminologyOption = None,
 ) -> None:  # fmt: skip
     """Serve translations over HTTP: POST /translate {"text": [...], "beam": 5}."""
     try:
@@ -383,9 +405,12 @@ def serve(
         raise AttnmtError(
             f'attnmt serve needs the serve extra ({e.name} is missing): pip install "attnmt[serve]"'
         ) from None
+    from attnmt.data.text import check_input
     from attnmt.decoding.translator import Translator
 
-    translator = Translator.load(model, device, weights, precision, matmul, workers)
+    if terminology is not None:
+        check_input(terminology)
+    translator = Translator.load(model, device, weights, precision, matmul, workers, terminology)
     limits = Limits(
         max_lines, max_chars, max_queue, batch_wait_ms,
         max_search=max_search, max_attention=max_attention,

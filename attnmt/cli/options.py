@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -44,5 +45,13 @@ WorkersOption = Annotated[
         min=1,
         max=64,
         help="CPU: batches searched at once, each on its share of the threads (default: config).",
+    ),
+]
+TerminologyOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--terminology",
+        help="A TSV file of source term TAB target term: a term found in a line (on word "
+        "boundaries) must be translated as given (beam search).",
     ),
 ]

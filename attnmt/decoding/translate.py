@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import cast
 
 import sacrebleu
@@ -15,6 +15,7 @@ from attnmt.data.processes import map_batches
 from attnmt.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
 from attnmt.decoding.constraints import Wanted
 from attnmt.decoding.search import Hypothesis, Sampling, SearchOptions, decode
+from attnmt.decoding.terminology import Term
 from attnmt.device import PRECISION_DTYPES
 from attnmt.errors import DataError
 from attnmt.kernels import matmul_backend, quantize_int8
@@ -30,6 +31,7 @@ class Translation:
     tgt_pieces: list[str]  # output subwords (and EOS if it ended so), the attention's rows
     attention: torch.Tensor | None  # (len(tgt_pieces), len(src_pieces)) when asked for
     unmet: int = 0  # constrained search: the constraints it lacks (the length limit came first)
+    terms: list[Term] = field(default_factory=list)  # the terminology's, found in the source
 
 
 def translate(
@@ -65,8 +67,7 @@ def translate(
     """
     was_training = model.training
     model.eval()
-    empty = Translation("", 0.0, [], [], None)
-    outputs: list[list[Translation]] = [[empty] * options.n_best for _ in lines]
+    outputs = [[Translation("", 0.0, [], [], None) for _ in range(options.n_best)] for _ in lines]
     todo = [i for i, line in enumerate(lines) if line.strip()]
     src = [[*prefix, *s, EOS_ID] for s in tokenizer.src.encode([lines[i].strip() for i in todo])]
     for j, ids in enumerate(src):

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -25,7 +26,8 @@ from attnmt.data.text import CHUNK_LINES, input_chunks
 from attnmt.data.tokenizer import Tokenizer
 from attnmt.decoding.ensemble import Ensemble
 from attnmt.decoding.forced import ForcedScore, attention_maps, score_pairs
-from attnmt.decoding.search import SearchOptions, search_options
+from attnmt.decoding.search import Beam, SearchOptions, search_options
+from attnmt.decoding.terminology import Term, Terminology
 from attnmt.decoding.translate import Scores, Translation, for_decoding, score, score_translations
 from attnmt.decoding.translate import translate as run_search
 from attnmt.device import (
@@ -43,6 +45,8 @@ from attnmt.kernels.matmul import resolve
 from attnmt.models.directory import BEST_FILE, LAST_FILE, load_model_dir
 from attnmt.models.seq2seq import AttentionSpec, Seq2Seq
 
+T = TypeVar("T")
+
 
 @dataclass
 class Translator:
@@ -57,6 +61,8 @@ class Translator:
     workers: int = 1  # batches searched at once (CPU only)
     members: tuple[Config, ...] = ()  # an ensemble's configs, the first being cfg
     precision: str = "fp32"  # what the model computes in: fp32, bf16, fp16 or int8
+    # Terms found in a line become its constraints (beam search); set it, or load's argument.
+    terminology: Terminology | None = None
 
     @classmethod
     def load(
@@ -67,6 +73,7 @@ class Translator:
         precision: str | None = None,
         matmul: str | None = None,
         workers: int | None = None,
+        terminology: str | Path | None = None,
     ) -> Translator:
         """Load a model directory, or several as an ensemble (the mean of their log-
         probabilities at each step; they must share their SentencePiece models; the first
@@ -74,7 +81,8 @@ class Translator:
         device auto, cpu or cuda; precision fp32, bf16, fp16 or int8 (CPU) (default
         decode.precision);
         matmul auto, blas or onednn (default decode.matmul); workers: batches searched at once
-        (default decode.workers; CPU only). Notes go to stderr."""
+        (default decode.workers; CPU only); terminology: a TSV file of source term TAB
+        target term (Terminology.load). Notes go to stderr."""
         dirs = (
             [Path(model_dir)] if isinstance(model_dir, str | Path) else list(map(Path, model_dir))
         )
@@ -115,7 +123,8 @@ class Translator:
         n_workers = (workers or cfg.decode.workers) if dev.type == "cpu" else 1
         members = tuple(c for c, _, _ in loaded)
         net = for_decoding(net, precision)
-        return cls(cfg, tokenizer, net, dev, backend, n_workers, members, precision)
+        terms = None if terminology is None else Terminology.load(Path(terminology))
+        return cls(cfg, tokenizer, net, dev, backend, n_workers, members, precision, terms)
 
     def translate(
         self,
@@ -126,14 +135,15 @@ class Translator:
         workers: int | None = None,
         target_lang: str | None = None,
         prefix: Sequence[str] | None = None,
+        constraints: Sequence[Sequence[str]] | None = None,
     ) -> list[str]:
         """The best translation of each line, in order (beam: default decode.beam; 1 is
         greedy), into target_lang (a multilingual model needs it); with `prefix` (a text per
-        line), each translation starts with its line's prefix. An empty line gives an empty
-        translation."""
+        line), each translation starts with its line's prefix; with `constraints` (per line,
+        phrases), it contains them. An empty line gives an empty translation."""
         found = self.hypotheses(
             lines, beam, 1, length_penalty, batch_tokens, workers, target_lang=target_lang,
-            prefix=prefix,
+            prefix=prefix, constraints=constraints,
         )  # fmt: skip
         return [h[0].text for h in found]
 
@@ -148,14 +158,16 @@ class Translator:
         sampling: tuple[float, int, int] | None = None,
         target_lang: str | None = None,
         prefix: Sequence[str] | None = None,
+        constraints: Sequence[Sequence[str]] | None = None,
     ) -> list[list[Translation]]:
         """The n_best translations of each line with their scores (Translation.text, .score);
         `sampling` = (temperature, top_k, seed) draws n_best instead of searching; `prefix`
-        as translate takes it."""
+        and `constraints` as translate takes them."""
         options = self.options(beam, n_best, length_penalty, sampling=sampling)
         return self.search(
-            lines, options, batch_tokens, workers, target_lang=target_lang, prefix=prefix
-        )
+            lines, options, batch_tokens, workers, target_lang=target_lang, prefix=prefix,
+            constraints=constraints,
+        )  # fmt: skip
 
     def options(
         self,
@@ -238,12 +250,15 @@ class Translator:
         first_line: int = 0,
         target_lang: str | None = None,
         prefix: Sequence[str] | None = None,
+        constraints: Sequence[Sequence[str]] | None = None,
     ) -> list[list[Translation]]:
         """Search (or sample) with `options` over lines: what the other methods call.
         `first_line`: the number of lines before these in a longer input (sampling seeds);
         `target_lang`: the language to translate into (a multilingual model needs it);
         `prefix`: per line, the text its translations start with (prefix-constrained search:
-        the pieces of the prefix, then the search goes on; "" for none)."""
+        the pieces of the prefix, then the search goes on; "" for none); `constraints`: per
+        line, phrases its translations must contain (lexically constrained beam search),
+        joined by the terminology's terms found in the line (Translation.terms)."""
         if isinstance(lines, str) or not isinstance(lines, Sequence):
             raise AttnmtError("lines: expected a list of sentences (one str: wrap it in a list)")
         for i, line in enumerate(lines):
@@ -259,12 +274,47 @@ class Translator:
             if len(prefix) != len(lines):
                 raise AttnmtError(f"prefix: {len(prefix)} prefixes for {len(lines)} lines")
             target_prefix = self.tokenizer.tgt.encode([p.strip() for p in prefix])
-        return run_search(
+        terms, phrases = self.constraints_of(lines, constraints, options)
+        found = run_search(
             self.model, self.tokenizer, list(lines), options,
             batch_tokens=batch_tokens or self.cfg.decode.batch_tokens, device=self.device,
             workers=workers or self.workers, first_line=first_line, matmul=self.matmul,
             prefix=self.source_prefix(target_lang), target_prefix=target_prefix,
+            constraints=phrases,
         )  # fmt: skip
+        for results, applied in zip(found, terms, strict=True):
+            for r in results:
+                r.terms = applied
+        return found
+
+    def constraints_of(
+        self,
+        lines: Sequence[str],
+        constraints: Sequence[Sequence[str]] | None,
+        options: SearchOptions,
+    ) -> tuple[list[list[Term]], list[list[list[int]]] | None]:
+        """Per line, the terminology's terms found in it, and the target ids of every phrase
+        it must contain (the given ones, then the terms'); None: no line has any."""
+        if constraints is not None:
+            if isinstance(constraints, str) or len(constraints) != len(lines):
+                n = "a str" if isinstance(constraints, str) else len(constraints)
+                raise AttnmtError(f"constraints: expected a list of phrases per line, {n} for "
+                                  f"{len(lines)} lines")  # fmt: skip
+            for i, c in enumerate(constraints):
+                _check_strs(f"constraints[{i}]", c)
+                if any(not p.strip() for p in c):
+                    raise AttnmtError(f"constraints[{i}]: an empty phrase")
+        terms = [[] if self.terminology is None else self.terminology.find(x) for x in lines]
+        given = constraints or [[] for _ in lines]
+        texts = [[*c, *(t.target for t in found)] for c, found in zip(given, terms, strict=True)]
+        if not any(texts):
+            return terms, None
+        if not isinstance(options.method, Beam):
+            raise AttnmtError(
+                "constraints and terminology need beam search: a beam of 2 or more, no sampling"
+            )
+        encode = self.tokenizer.tgt.encode
+        return terms, [encode([p.strip() for p in dict.fromkeys(t)]) if t else [] for t in texts]
 
     def stream(
         self,
@@ -274,6 +324,7 @@ class Translator:
         workers: int | None = None,
         target_lang: str | None = None,
         prefixes: Iterator[str] | None = None,
+        constraints: Iterator[list[str]] | None = None,
     ) -> Iterator[tuple[list[str], list[list[Translation]]]]:
         """Translate a stream chunk by chunk, yielding each chunk's lines and their results as
         soon as they are done: memory stays bounded whatever the input's length.
@@ -281,8 +332,8 @@ class Translator:
         `source`: a file (plain or .gz), a pipe or FIFO, or None for standard input (from a
         pipe or a terminal, a chunk ends when no more input is waiting, so a line sent alone
         is answered at once: data.input_chunks); or any iterable of lines, taken CHUNK_LINES
-        at a time. `prefixes`: a target prefix per line, in step with the lines (a prefix
-        file with another line count is an error naming both counts)."""
+        at a time. `prefixes`: a target prefix per line, `constraints` a list of phrases per
+        line, in step with the lines (a file with another line count is an error)."""
         if source is None or isinstance(source, (str, Path)):
             chunks: Iterable[list[str]] = input_chunks(None if source is None else Path(source))
         else:
@@ -291,14 +342,16 @@ class Translator:
         self.source_prefix(target_lang)  # a missing or unknown language fails before reading
         done = 0  # lines translated so far
         for chunk in chunks:
-            prefix = None if prefixes is None else list(itertools.islice(prefixes, len(chunk)))
-            if prefix is not None and len(prefix) < len(chunk):
-                raise AttnmtError(f"--prefix: {done + len(prefix):,} lines, fewer than the input's")
-            found = self.search(chunk, options, batch_tokens, workers, done, target_lang, prefix)
+            prefix = _in_step(prefixes, chunk, done, "--prefix")
+            wanted = _in_step(constraints, chunk, done, "--constraints")
+            found = self.search(
+                chunk, options, batch_tokens, workers, done, target_lang, prefix, wanted
+            )
             yield chunk, found
             done += len(chunk)
-        if prefixes is not None and next(prefixes, None) is not None:
-            raise AttnmtError(f"--prefix: more lines than the input's {done:,}")
+        for given, flag in ((prefixes, "--prefix"), (constraints, "--constraints")):
+            if given is not None and next(given, None) is not None:
+                raise AttnmtError(f"{flag}: more lines than the input's {done:,}")
 
     def score_pairs(
         self,
@@ -366,6 +419,16 @@ class Translator:
         if len(hypotheses) != len(references):
             raise AttnmtError(f"{len(hypotheses)} hypotheses but {len(references)} references")
         return score(hypotheses, references)
+
+
+def _in_step(given: Iterator[T] | None, chunk: list[str], done: int, flag: str) -> list[T] | None:
+    """The next len(chunk) items of a per-line input given with `flag` (None: not given)."""
+    if given is None:
+        return None
+    items = list(itertools.islice(given, len(chunk)))
+    if len(items) < len(chunk):
+        raise AttnmtError(f"{flag}: {done + len(items):,} lines, fewer than the input's")
+    return items
 
 
 def _check_same_tokenizer(dir_a: Path, a: Tokenizer, dir_b: Path, b: Tokenizer) -> None:
