@@ -37,6 +37,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
+from attnmt.decoding.alignment import align
 from attnmt.decoding.search import Beam, Sampling, SearchOptions
 from attnmt.decoding.translate import Translation
 from attnmt.decoding.translator import Translator
@@ -102,6 +103,9 @@ class TranslateRequest(BaseModel):
         None, description="Per line of `text`, target phrases its translation must contain "
         f"(lexically constrained beam search; at most {MAX_PHRASES} a line); [] for none.",
     )  # fmt: skip
+    alignments: bool = Field(
+        False, description="Also return each line's word alignment (`alignments`)."
+    )
 
 
 class Scored(BaseModel):
@@ -125,6 +129,10 @@ class AppliedTerm(BaseModel):
 
 class TranslateResponse(BaseModel):
     translations: list[str] = Field(description="The best translation of each line.")
+    alignments: list[list[tuple[int, int]]] | None = Field(
+        None, description="With alignments: per line, [source word, target word] pairs of "
+        "its best translation (whitespace words, from 0; as translate --alignments).",
+    )  # fmt: skip
     terms: list[list[AppliedTerm]] | None = Field(
         None, description="With serve --terminology: each line's terms, found in it and "
         "required in its translation.",
@@ -353,8 +361,11 @@ def check_work(
             413, f"{len(request.text)} lines x {width} hypotheses (beam or draws) = "
             f"{hypotheses:,}; at most {limits.max_search:,} a request (serve --max-search)",
         )  # fmt: skip
-    if request.attention:
-        weights = attention_bound(translator, request.text, options)
+    layers, heads = translator.attention_shape()
+    # The maps asked for, and the attention every hypothesis of an aligned search keeps.
+    maps = options.n_best * layers * heads * request.attention + width * request.alignments
+    if maps:
+        weights = attention_bound(translator, request.text, options, maps)
         if weights > limits.max_attention:
             raise RequestError(
                 413, f"attention maps of up to {weights:,} weights; at most "
@@ -363,15 +374,16 @@ def check_work(
             )  # fmt: skip
 
 
-def attention_bound(translator: Translator, lines: list[str], options: SearchOptions) -> int:
-    """The attention weights of every hypothesis's map at the longest output the search may
-    write: layers x heads x output pieces x source pieces (EOS, tag included), summed."""
-    layers, heads = translator.attention_shape()
+def attention_bound(
+    translator: Translator, lines: list[str], options: SearchOptions, maps: int
+) -> int:
+    """The attention weights of `maps` maps a line at the longest output the search may
+    write: maps x output pieces x source pieces (EOS, tag included), summed over lines."""
     total = 0
     for ids in translator.tokenizer.src.encode([line.strip() for line in lines]):
         S = min(len(ids) + 2, options.max_src_len)  # EOS and a language tag
         T = min(int(options.max_len_a * S) + options.max_len_b, options.max_output_len) + 1
-        total += options.n_best * layers * heads * T * S
+        total += maps * T * S
     return total
 
 
@@ -381,9 +393,8 @@ def request_options(translator: Translator, request: TranslateRequest) -> Search
     if draws is not None and request.beam is not None:
         raise AttnmtError("sampling draws instead of searching: drop beam")
     sampling = None if draws is None else (draws.temperature, draws.top_k, draws.seed)
-    return translator.options(
-        request.beam, request.n_best, request.length_penalty, sampling=sampling
-    )
+    spec = translator.alignment_spec() if request.alignments else None
+    return translator.options(request.beam, request.n_best, request.length_penalty, spec, sampling)
 
 
 def answer(results: list[list[Translation]], n_best: int, terms: bool = False) -> dict[str, Any]:
@@ -535,6 +546,8 @@ def _translate_route(
             return _error(499, "client closed the request")
         results = job.future.result()
         found = answer(results, options.n_best, terms)
+        if request.alignments:
+            found["alignments"] = [align(r[0]) for r in results]
         if request.attention:  # off the event loop: forced decoding is CPU work
             cancel = threading.Event()
             work = in_thread(maps, translator, results, cancel)

@@ -132,11 +132,19 @@ def translate(
         "--constraints", help='Per input line, a JSON list of target phrases its translation '
         'must contain, e.g. ["Haus"] (beam search); [] or an empty line: none.')] = None,
     terminology: TerminologyOption = None,
+    alignments: Annotated[bool, typer.Option(
+        "--alignments", help="End each output line in ' ||| ' and its word alignment: "
+        "Moses-style i-j pairs (source word i, target word j, from 0).")] = False,
+    alignment_layer: Annotated[int | None, typer.Option(
+        "--alignment-layer", help="Transformer: the decoder layer to align with (default: "
+        "the second from the top).")] = None,
 ) -> None:  # fmt: skip
     """Translate text, one line in, one line out (beam search, greedy with --beam 1, or
     --sampling: --n-best K draws K per line)."""
+    # Long: typer declares each of the command's options in its signature; the body is short.
     from attnmt.apps.heatmap import AttentionMaps
     from attnmt.data.text import check_input
+    from attnmt.decoding.alignment import moses
     from attnmt.decoding.translate import format_results
     from attnmt.decoding.translator import Translator
 
@@ -149,10 +157,12 @@ def translate(
         raise AttnmtError("--sampling draws instead of searching: drop --beam")
     prefixes, wanted = per_line_inputs(prefix, constraints, terminology)
     translator = Translator.load(model, device, weights, precision, matmul, workers, terminology)
-    spec = None
+    spec, maps = None, None
     if attention is not None:
         spec = translator.attention_spec(attention_layer, attention_head)
         maps = AttentionMaps(attention, translator.cfg.model, spec)  # creates the directory
+    elif alignments:  # with --attention, from its layer and head
+        spec = translator.alignment_spec(alignment_layer)
     draws = (temperature, top_k, seed) if sampling else None
     options = translator.options(beam, n_best, length_penalty, attention=spec, sampling=draws)
     done = 0  # lines translated so far
@@ -163,8 +173,8 @@ def translate(
             source, options, batch_tokens, None, target_lang, prefixes, wanted
         )
         for lines, results in chunks:
-            sink.write(format_results(results, n_best, done))
-            if spec is not None:
+            sink.write(format_results(results, n_best, done, moses if alignments else None))
+            if maps is not None:
                 maps.write([r[0] for r in results], first=done)
             done += len(lines)
 

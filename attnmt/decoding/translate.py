@@ -179,12 +179,24 @@ def for_decoding(model: Seq2Seq, precision: str) -> Seq2Seq:
     return model.to(PRECISION_DTYPES[precision])
 
 
-def format_results(results: list[list[Translation]], n_best: int, first: int) -> str:
-    """Output lines: the 1-best of each input, or its n-best list numbered from `first`."""
+def format_results(
+    results: list[list[Translation]],
+    n_best: int,
+    first: int,
+    alignment: Callable[[Translation], str] | None = None,
+) -> str:
+    """Output lines: the 1-best of each input, or its n-best list numbered from `first`;
+    with `alignment`, each line ends in ` ||| ` and the translation's word alignment."""
+
+    def tail(t: Translation) -> str:
+        return "" if alignment is None else f" ||| {alignment(t)}"
+
     if n_best == 1:
-        return "".join(r[0].text + "\n" for r in results)
+        return "".join(r[0].text + tail(r[0]) + "\n" for r in results)
     return "".join(
-        f"{first + i} ||| {t.text} ||| {t.score:.4f}\n" for i, r in enumerate(results) for t in r
+        f"{first + i} ||| {t.text} ||| {t.score:.4f}{tail(t)}\n"
+        for i, r in enumerate(results)
+        for t in r
     )
 
 

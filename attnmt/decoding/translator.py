@@ -24,6 +24,7 @@ import torch
 from attnmt.config import Config
 from attnmt.data.text import CHUNK_LINES, input_chunks
 from attnmt.data.tokenizer import Tokenizer
+from attnmt.decoding.alignment import DEFAULT_LAYER, align
 from attnmt.decoding.ensemble import Ensemble
 from attnmt.decoding.forced import ForcedScore, attention_maps, score_pairs
 from attnmt.decoding.search import Beam, SearchOptions, search_options
@@ -210,6 +211,24 @@ class Translator:
             if head is not None and not 0 <= head < m.heads:
                 raise AttnmtError(f"--attention-head {head}: the model has {m.heads} heads")
         return AttentionSpec(layer, head)
+
+    def alignment_spec(self, layer: int | None = None) -> AttentionSpec:
+        """The attention word alignments are read from: a Transformer's decoder layer
+        `layer` (default alignment.DEFAULT_LAYER, or the top of a shallower decoder), the
+        mean of its heads; the rnn model's one attention."""
+        if layer is None:
+            shallowest = min(c.model.dec_layers for c in self.members or (self.cfg,))
+            layer = max(DEFAULT_LAYER, -shallowest)
+        return self.attention_spec(layer)
+
+    def aligned(
+        self, lines: Sequence[str], beam: int | None = None, layer: int | None = None
+    ) -> list[tuple[str, list[tuple[int, int]]]]:
+        """Each line's best translation and its word alignment: (source word, target word)
+        pairs, whitespace words from 0 (attnmt.decoding.alignment)."""
+        options = self.options(beam, attention=self.alignment_spec(layer))
+        found = self.search(lines, options)
+        return [(r[0].text, align(r[0])) for r in found]
 
     @property
     def target_langs(self) -> list[str]:
