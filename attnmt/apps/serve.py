@@ -106,6 +106,10 @@ class TranslateRequest(BaseModel):
     alignments: bool = Field(
         False, description="Also return each line's word alignment (`alignments`)."
     )
+    markup: bool = Field(
+        False, description="The lines hold inline XML/HTML tags: each is put back around "
+        "the aligned output words (as translate --markup).",
+    )  # fmt: skip
 
 
 class Scored(BaseModel):
@@ -156,6 +160,7 @@ class _Job:
     target_lang: str | None
     prefix: list[str]  # per line, what its translation starts with ("": nothing)
     constraints: list[list[str]]  # per line, phrases its translation contains
+    markup: bool = False  # the lines hold tags (translate --markup)
     future: Future = field(default_factory=Future)
     done: list[list[Translation]] = field(default_factory=list)  # results of lines[: len(done)]
     cancelled: bool = False  # its client left: no more work for it
@@ -166,7 +171,7 @@ class _Job:
         the input, so a sampled job is searched alone (its output then equals the CLI's)."""
         if isinstance(self.options.method, Sampling):
             return self
-        return (self.options, self.target_lang)
+        return (self.options, self.target_lang, self.markup)
 
 
 class Batcher:
@@ -191,10 +196,11 @@ class Batcher:
         target_lang: str | None = None,
         prefix: list[str] | None = None,
         constraints: list[list[str]] | None = None,
+        markup: bool = False,
     ) -> _Job:
         """Queue a job (queue.Full when the queue is full)."""
         n = len(lines)
-        job = _Job(lines, options, target_lang, prefix or [""] * n, constraints or [[]] * n)
+        job = _Job(lines, options, target_lang, prefix or [""] * n, constraints or [[]] * n, markup)
         self.jobs.put_nowait(job)
         return job
 
@@ -247,7 +253,7 @@ class Batcher:
         try:
             out = self.translator.search(
                 lines, first.options, first_line=start, target_lang=first.target_lang,
-                prefix=prefix if any(prefix) else None, constraints=wanted,
+                prefix=prefix if any(prefix) else None, constraints=wanted, markup=first.markup,
             )  # fmt: skip
         except Exception as e:  # the server answers 500 and keeps serving
             for job in batch:
@@ -363,7 +369,8 @@ def check_work(
         )  # fmt: skip
     layers, heads = translator.attention_shape()
     # The maps asked for, and the attention every hypothesis of an aligned search keeps.
-    maps = options.n_best * layers * heads * request.attention + width * request.alignments
+    aligned = request.alignments or request.markup
+    maps = options.n_best * layers * heads * request.attention + width * aligned
     if maps:
         weights = attention_bound(translator, request.text, options, maps)
         if weights > limits.max_attention:
@@ -393,7 +400,7 @@ def request_options(translator: Translator, request: TranslateRequest) -> Search
     if draws is not None and request.beam is not None:
         raise AttnmtError("sampling draws instead of searching: drop beam")
     sampling = None if draws is None else (draws.temperature, draws.top_k, draws.seed)
-    spec = translator.alignment_spec() if request.alignments else None
+    spec = translator.alignment_spec() if request.alignments or request.markup else None
     return translator.options(request.beam, request.n_best, request.length_penalty, spec, sampling)
 
 
@@ -537,8 +544,9 @@ def _translate_route(
             return answer([], options.n_best, terms)
         try:
             job = batcher.submit(
-                request.text, options, request.target_lang, request.prefix, request.constraints
-            )
+                request.text, options, request.target_lang, request.prefix, request.constraints,
+                request.markup,
+            )  # fmt: skip
         except queue.Full:
             return _error(503, f"{limits.max_queue} requests waiting; try again shortly")
         if not await finished(http, job.future):

@@ -138,6 +138,9 @@ def translate(
     alignment_layer: Annotated[int | None, typer.Option(
         "--alignment-layer", help="Transformer: the decoder layer to align with (default: "
         "the second from the top).")] = None,
+    markup: Annotated[bool, typer.Option(
+        "--markup", help="Lines hold inline XML/HTML tags: translate the text and put each "
+        "tag back around the aligned output words.")] = False,
 ) -> None:  # fmt: skip
     """Translate text, one line in, one line out (beam search, greedy with --beam 1, or
     --sampling: --n-best K draws K per line)."""
@@ -161,7 +164,7 @@ def translate(
     if attention is not None:
         spec = translator.attention_spec(attention_layer, attention_head)
         maps = AttentionMaps(attention, translator.cfg.model, spec)  # creates the directory
-    elif alignments:  # with --attention, from its layer and head
+    elif alignments or markup:  # with --attention, from its layer and head
         spec = translator.alignment_spec(alignment_layer)
     draws = (temperature, top_k, seed) if sampling else None
     options = translator.options(beam, n_best, length_penalty, attention=spec, sampling=draws)
@@ -170,7 +173,7 @@ def translate(
     # terminal is answered at once.
     with OutputSink(output) as sink:
         chunks = translator.stream(
-            source, options, batch_tokens, None, target_lang, prefixes, wanted
+            source, options, batch_tokens, None, target_lang, prefixes, wanted, markup
         )
         for lines, results in chunks:
             sink.write(format_results(results, n_best, done, moses if alignments else None))

@@ -15,7 +15,7 @@ import itertools
 import math
 import sys
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -27,6 +27,7 @@ from attnmt.data.tokenizer import Tokenizer
 from attnmt.decoding.alignment import DEFAULT_LAYER, align
 from attnmt.decoding.ensemble import Ensemble
 from attnmt.decoding.forced import ForcedScore, attention_maps, score_pairs
+from attnmt.decoding.markup import parse, put_back
 from attnmt.decoding.search import Beam, SearchOptions, search_options
 from attnmt.decoding.terminology import Term, Terminology
 from attnmt.decoding.translate import Scores, Translation, for_decoding, score, score_translations
@@ -270,6 +271,7 @@ class Translator:
         target_lang: str | None = None,
         prefix: Sequence[str] | None = None,
         constraints: Sequence[Sequence[str]] | None = None,
+        markup: bool = False,
     ) -> list[list[Translation]]:
         """Search (or sample) with `options` over lines: what the other methods call.
         `first_line`: the number of lines before these in a longer input (sampling seeds);
@@ -277,7 +279,8 @@ class Translator:
         `prefix`: per line, the text its translations start with (prefix-constrained search:
         the pieces of the prefix, then the search goes on; "" for none); `constraints`: per
         line, phrases its translations must contain (lexically constrained beam search),
-        joined by the terminology's terms found in the line (Translation.terms)."""
+        joined by the terminology's terms found in the line (Translation.terms); `markup`:
+        the lines hold inline tags, translated around (attnmt.decoding.markup)."""
         if isinstance(lines, str) or not isinstance(lines, Sequence):
             raise AttnmtError("lines: expected a list of sentences (one str: wrap it in a list)")
         for i, line in enumerate(lines):
@@ -293,6 +296,11 @@ class Translator:
             if len(prefix) != len(lines):
                 raise AttnmtError(f"prefix: {len(prefix)} prefixes for {len(lines)} lines")
             target_prefix = self.tokenizer.tgt.encode([p.strip() for p in prefix])
+        trees = None
+        if markup:  # the text without its tags is translated, with alignments
+            parsed = [parse(line) for line in lines]
+            lines, trees = [text for text, _ in parsed], [tree for _, tree in parsed]
+            options = replace(options, attention=options.attention or self.alignment_spec())
         terms, phrases = self.constraints_of(lines, constraints, options)
         found = run_search(
             self.model, self.tokenizer, list(lines), options,
@@ -304,6 +312,8 @@ class Translator:
         for results, applied in zip(found, terms, strict=True):
             for r in results:
                 r.terms = applied
+        if trees is not None:
+            put_back(found, trees)
         return found
 
     def constraints_of(
@@ -344,6 +354,7 @@ class Translator:
         target_lang: str | None = None,
         prefixes: Iterator[str] | None = None,
         constraints: Iterator[list[str]] | None = None,
+        markup: bool = False,
     ) -> Iterator[tuple[list[str], list[list[Translation]]]]:
         """Translate a stream chunk by chunk, yielding each chunk's lines and their results as
         soon as they are done: memory stays bounded whatever the input's length.
@@ -364,7 +375,7 @@ class Translator:
             prefix = _in_step(prefixes, chunk, done, "--prefix")
             wanted = _in_step(constraints, chunk, done, "--constraints")
             found = self.search(
-                chunk, options, batch_tokens, workers, done, target_lang, prefix, wanted
+                chunk, options, batch_tokens, workers, done, target_lang, prefix, wanted, markup
             )
             yield chunk, found
             done += len(chunk)

@@ -1,0 +1,158 @@
+"""Tag-preserving translation: lines with inline XML/HTML tags (`<b>`, `<a href="…">`, `<x
+id="1"/>` placeholders) are translated without their tags, and each tag is put back around the
+output words aligned to the source words it surrounded (attnmt.decoding.alignment).
+
+A line's tags form a tree over its words (an element spans the words between its opening and
+closing tags; a self-closing tag sits before a word). Placed in the output, an element covers
+the output words aligned to any of its words (from the first to the last), cut to its parent's
+span and kept clear of the siblings placed before it; siblings are placed in the order of
+their output words, so a reordering model reorders them. An element none of whose words is
+aligned, and a self-closing tag, goes before the output word aligned to its first word. The
+output's tags are therefore always balanced and properly nested, whatever the model does. A
+closing tag with no opening tag is dropped; an opening tag never closed spans to the line's
+end. Entities are decoded for translation and the output text is escaped (&, <, >) again.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from attnmt.decoding.alignment import align
+from attnmt.decoding.translate import Translation
+
+# A tag: <name attr="…" …>, </name> or <name …/>; a quoted attribute value may hold < and >.
+TAG = re.compile(
+    r"<(/?)([A-Za-z_][\w:.-]*)((?:\s+[^\s=/>\"']+(?:\s*=\s*(?:\"[^\"]*\"|'[^']*'|[^\s>\"']+))?)*)"
+    r"\s*(/?)>"
+)
+
+
+@dataclass
+class Element:
+    """A tag pair (or a self-closing tag: `close` empty) over source words [start, end)."""
+
+    open: str
+    close: str
+    start: int
+    end: int = -1
+    children: list[Element] = field(default_factory=list)
+
+    def whole(self) -> str:
+        """The element with nothing inside but its children's tags (an empty span)."""
+        return self.open + "".join(c.whole() for c in self.children) + self.close
+
+
+def parse(line: str) -> tuple[str, Element]:
+    """The line's text (entities decoded, tags removed) and the tree of its tags."""
+    root = Element("", "", 0)
+    stack, words, text = [root], 0, []
+    at = 0
+    for m in [*TAG.finditer(line), None]:
+        chunk = line[at : m.start() if m else len(line)]
+        text.append(html.unescape(chunk))
+        words = len("".join(text).split())
+        if m is None:
+            break
+        at = m.end()
+        closing, name, self_closing = m.group(1), m.group(2), m.group(4)
+        text.append(" ")  # a tag ends the word before it: "a<b>big" is "a" then "big"
+        if self_closing:
+            stack[-1].children.append(Element(m.group(0), "", words, words))
+        elif not closing:
+            stack.append(Element(m.group(0), "", words))
+            stack[-2].children.append(stack[-1])
+        elif any(_name(e.open) == name for e in stack[1:]):
+            while True:  # elements left open inside it close with it
+                e = stack.pop()
+                e.end = words
+                e.close = m.group(0) if _name(e.open) == name else f"</{_name(e.open)}>"
+                if _name(e.open) == name:
+                    break
+    for e in stack[1:]:  # never closed: to the line's end
+        e.end, e.close = words, f"</{_name(e.open)}>"
+    return " ".join("".join(text).split()), root
+
+
+def _name(tag: str) -> str:
+    m = TAG.fullmatch(tag)
+    return m.group(2) if m else ""
+
+
+def restore(root: Element, target: str, pairs: list[tuple[int, int]]) -> str:
+    """`target` (plain text) with the tags of `root` put back by `pairs` (source word,
+    target word): see the module's docstring."""
+    words = [html.escape(w, quote=False) for w in target.split()]
+    to_target: dict[int, list[int]] = {}
+    for i, j in pairs:
+        to_target.setdefault(i, []).append(j)
+    tokens = _place(root, 0, len(words), words, to_target)
+    return _join(tokens)
+
+
+def _span(e: Element, to_target: dict[int, list[int]]) -> tuple[int, int] | None:
+    """The output words [first, last + 1) aligned to the element's words; None: none are."""
+    js = [j for i in range(e.start, e.end) for j in to_target.get(i, [])]
+    return (min(js), max(js) + 1) if js else None
+
+
+def _anchor(e: Element, to_target: dict[int, list[int]]) -> int | None:
+    """Where an element with no aligned word goes: before the first output word aligned to a
+    source word at or after its start (None: the end)."""
+    later = [j for i, js in to_target.items() if i >= e.start for j in js]
+    return min(later) if later else None
+
+
+def _place(
+    node: Element, lo: int, hi: int, words: list[str], to_target: dict[int, list[int]]
+) -> list[tuple[str, str]]:
+    """Tokens (kind, text) of output words lo..hi with node's children's tags placed among
+    them; kinds: word, open, close, whole (an element placed with nothing inside)."""
+    placed = []  # (start, end, child): start == end places it whole, nothing inside
+    for c in node.children:
+        span = _span(c, to_target) if c.close and c.end > c.start else None
+        if span is None:
+            at = _anchor(c, to_target)
+            span = (hi, hi) if at is None else (at, at)
+        first, last = (min(max(x, lo), hi) for x in span)
+        placed.append((first, last, c))
+    placed.sort(key=lambda p: (p[0], p[1] > p[0]))  # in output order; empty ones first
+    tokens: list[tuple[str, str]] = []
+    j = lo
+    for first, last, c in placed:
+        first = max(first, j)  # clear of the siblings placed before it
+        last = max(last, first)
+        tokens += [("word", w) for w in words[j:first]]
+        j = first
+        if last == first:
+            tokens.append(("whole", c.whole()))
+            continue
+        tokens += [("open", c.open), *_place(c, first, last, words, to_target), ("close", c.close)]
+        j = last
+    return tokens + [("word", w) for w in words[j:hi]]
+
+
+def _join(tokens: list[tuple[str, str]]) -> str:
+    """Words separated by single spaces; an opening tag (or a whole element) joins the word
+    after it, a closing tag the word before it."""
+    out, pending, any_word = [], "", False
+    for kind, text in tokens:
+        if kind == "word":
+            out.append((" " if any_word else "") + pending + text)
+            pending, any_word = "", True
+        elif kind == "close":
+            out.append(pending + text)
+            pending = ""
+        else:
+            pending += text
+    out.append(pending)
+    return "".join(out)
+
+
+def put_back(found: list[list[Translation]], trees: Sequence[Element]) -> None:
+    """In place: each hypothesis's text with its line's tags restored by its alignment."""
+    for results, tree in zip(found, trees, strict=True):
+        for r in results:
+            r.text = restore(tree, r.text, align(r))

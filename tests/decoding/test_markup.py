@@ -1,0 +1,89 @@
+"""Tag-preserving translation: tags put back around the aligned words, always balanced."""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+import pytest
+
+from attnmt import Translator
+from attnmt.apps.serve import Limits
+from attnmt.decoding.markup import TAG, parse, restore
+
+from conftest import make_pairs, write_lines
+from helpers import start_server
+
+HOSTILE = [
+    'Ein <b>großer</b> Hund <a href="x<y>z" title=\'>\'>läuft</a> schnell<x id="1"/>.',
+    "<i>a <b>b</i> c</b> &amp; d &lt;e&gt;",  # crossing tags, entities
+    "</p>x<br/> y",  # a closing tag never opened
+    "<b>never closed a b",
+    "<p><span><b></b></span></p>",  # nothing but tags
+    "a<b>b</b>c <x/><y/>",
+]
+
+
+def tags_of(text: str) -> list[str]:
+    return [m.group(0) for m in TAG.finditer(text)]
+
+
+def balanced(text: str) -> bool:
+    stack = []
+    for m in TAG.finditer(text):
+        if m.group(4):
+            continue
+        if m.group(1):
+            if not stack or stack.pop() != m.group(2):
+                return False
+        else:
+            stack.append(m.group(2))
+    return not stack
+
+
+@pytest.mark.parametrize("line", HOSTILE)
+def test_any_alignment_gives_balanced_tags_and_keeps_every_element(line):
+    text, root = parse(line)
+    assert "&amp;" not in text and "</" not in text  # entities decoded, tags gone
+    n = len(text.split())
+    opened = sorted(t for t in tags_of(line) if not t.startswith("</"))
+    rng = random.Random(0)
+    for _ in range(50):
+        out_words = [f"w{j}" for j in range(rng.randint(0, n + 3))]
+        pairs = [(rng.randrange(max(n, 1)), j) for j in range(len(out_words)) if rng.random() < 0.8]
+        out = restore(root, " ".join(out_words), pairs)
+        assert balanced(out), (line, out)
+        assert sorted(t for t in tags_of(out) if not t.startswith("</")) == opened, (line, out)
+        assert TAG.sub(" ", out).split() == out_words, out  # the words, in order, untouched
+
+
+def test_an_identity_alignment_gives_the_line_back():
+    line = 'Ein <b>großer</b> Hund <a href="x<y>z">läuft</a> &amp; bellt.'
+    text, root = parse(line)
+    assert text == "Ein großer Hund läuft & bellt."
+    n = len(text.split())
+    assert restore(root, text, [(i, i) for i in range(n)]) == line
+    # A reordering model reorders the elements: "Hund großer" keeps <b> on großer.
+    words = text.split()
+    swapped = [words[2], words[1], words[0], *words[3:]]
+    pairs = [(2, 0), (1, 1), (0, 2), *((i, i) for i in range(3, n))]
+    assert restore(root, " ".join(swapped), pairs).startswith("Hund <b>großer</b> Ein <a")
+
+
+def test_markup_from_the_cli_and_over_http(trained, tmp_path, run_cli):
+    lines = [f"<b>{a}</b> {b}" for a, b in zip(*[make_pairs(6, 3)[0]] * 2, strict=True)]
+    lines += ['w1 <x id="1"/> w2 &amp; <i>w3</i>', ""]
+    src = write_lines(tmp_path / "src.txt", lines)
+    r = run_cli("translate", "-m", str(trained[0]), "-i", str(src), "--markup")
+    assert r.code == 0, r.stderr
+    out = r.stdout.splitlines()
+    assert len(out) == len(lines) and out[-1] == ""
+    for line, o in zip(lines, out, strict=True):
+        assert balanced(o) and sorted(tags_of(o)) == sorted(tags_of(line)), (line, o)
+    translator = Translator.load(trained[0], device="cpu")
+    found = [r[0].text for r in translator.search(lines, translator.options(), markup=True)]
+    assert found == out
+    for url in start_server(translator, Limits()):
+        body = {"text": lines, "markup": True}
+        reply = httpx.post(f"{url}/translate", json=body, timeout=60).json()
+        assert reply["translations"] == out
