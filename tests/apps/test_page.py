@@ -135,6 +135,21 @@ def test_the_page_in_a_browser(server, trained, browser, run_cli, tmp_path):
     assert error == "Error 413: text[0]: 90 characters; at most 60", error
 
 
+def test_the_page_shows_the_terms_applied(trained, browser):
+    from selenium.webdriver.common.by import By
+
+    from attnmt.decoding.terminology import Term, Terminology
+
+    translator = Translator.load(trained[0], device="cpu")
+    translator.terminology = Terminology([Term("w2", "t9 t9"), Term("w7", "t1")])
+    for url in start_server(translator, Limits(), "terms"):
+        translate_on_the_page(browser, url, SENTENCE)
+        assert browser.find_element(By.ID, "terms").text == "Terms applied: w2 → t9 t9"
+        assert " t9 t9 " in f" {browser.find_element(By.ID, 'translation').text} "
+        translate_on_the_page(browser, url, "w3 w4")
+        assert not browser.find_element(By.ID, "terms").is_displayed()
+
+
 def test_the_page_of_a_multilingual_model_asks_for_the_language(
     browser, tmp_path_factory: pytest.TempPathFactory
 ):
