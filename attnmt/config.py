@@ -197,9 +197,10 @@ class ModelConfig(_Section):
     attention_dropout: float = Field(0.1, ge=0.0, lt=1.0)
     # The feed-forward layer's nonlinearity (Marian's transformer-ffn-activation: swish or relu).
     activation: Literal["relu", "gelu", "swish"] = "relu"
-    # The sinusoidal table's layout: sin and cos interleaved (Vaswani et al.) or all sines
-    # then all cosines (Marian's, as transformers' MarianMTModel computes it).
-    positions: Literal["interleaved", "halves"] = "interleaved"
+    # The sinusoidal table's layout: sin and cos interleaved (Vaswani et al.), all sines then
+    # all cosines (as transformers' MarianMTModel computes it), or Marian C++'s (halves with
+    # tensor2tensor's frequencies).
+    positions: Literal["interleaved", "halves", "marian"] = "interleaved"
     output_bias: bool = False  # a bias on the output projection (Marian's final_logits_bias)
     # both: share the target embedding with the output projection (and with the source
     # embedding when the vocabulary is joint)

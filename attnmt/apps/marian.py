@@ -86,7 +86,7 @@ def import_huggingface(source: Path, out: Path, force: bool = False) -> Imported
     state = attnmt_state(hf, weights, src_rows, tgt_rows, cfg_model, files["weights"])
     model.load_state_dict(state, strict=True)
     cfg = _config(cfg_model, hf, source, out, joint)
-    _write(out, cfg, tokenizer, model, source)
+    write_imported(out, cfg, tokenizer, model, source, "huggingface")
     return Imported(
         sum(p.numel() for p in model.parameters()), len(tokenizer.src), len(tokenizer.tgt),
         missing_src + missing_tgt, notes,
@@ -298,12 +298,15 @@ def _config(
     return from_dict(raw)
 
 
-def _write(out: Path, cfg: Config, tokenizer: Tokenizer, model: Any, source: Path) -> None:
-    """The model directory, built beside `out` and renamed into place: never half-written."""
+def write_imported(
+    out: Path, cfg: Config, tokenizer: Tokenizer, model: Any, source: Path, fmt: str
+) -> None:
+    """The model directory, built beside `out` and renamed into place: never half-written;
+    its attnmt.json says where it came from (`fmt`: huggingface or marian)."""
     with atomic_directory(out, "the imported model") as tmp:
         write_run_files(tmp, cfg, tokenizer)
         meta = json.loads((tmp / META_FILE).read_text(encoding="utf-8"))
-        meta["imported_from"] = {"format": "huggingface", "path": str(source.resolve())}
+        meta["imported_from"] = {"format": fmt, "path": str(source.resolve())}
         atomic_write_bytes(tmp / META_FILE, json.dumps(meta, indent=2).encode("utf-8"))
         save_weights(model, tmp / BEST_FILE, tokenizer_digest(tokenizer_shas(tokenizer)))
 

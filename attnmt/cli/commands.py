@@ -287,26 +287,40 @@ def split_corpus(
 
 @app.command("import", short_help="Import a pretrained OPUS-MT / MarianMT model.")
 def import_model(
-    source: Annotated[Path, typer.Argument(help="A pretrained model (a directory).")],
+    source: Annotated[Path, typer.Argument(
+        help="A pretrained model: a directory, a Marian decoder.yml or model.npz.")],
     out: Annotated[Path, typer.Option(
         "--out", "-o", help="attnmt model directory to create.")],
-    format: Annotated[str, typer.Option(
-        "--format", help="The source's format (huggingface: a MarianMTModel directory).")
-    ] = "huggingface",
+    format: Annotated[str | None, typer.Option(
+        "--format", help="huggingface (a MarianMTModel directory) or marian (a native Marian "
+        "model.npz with its decoder.yml); default: detected.")] = None,
+    spm: Annotated[list[Path] | None, typer.Option(
+        "--spm", help="marian: the SentencePiece model of the vocabularies' pieces (twice: "
+        "source, then target), when the vocabularies are not SentencePiece models.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace OUT if it exists.")] = False,
 ) -> None:  # fmt: skip
-    """Import a pretrained model (OPUS-MT's MarianMT) as an attnmt model directory."""
+    """Import a pretrained model (OPUS-MT's MarianMT, or a native Marian model) as an attnmt
+    model directory."""
     from attnmt.apps.marian import import_huggingface
+    from attnmt.apps.marian_native import import_marian
 
-    if format != "huggingface":
-        raise AttnmtError(f"--format {format!r}: expected huggingface")
-    done = import_huggingface(source, out, force)
+    if format is None:
+        native = source.suffix in (".npz", ".yml") or not (source / "config.json").exists()
+        format = "marian" if native else "huggingface"
+    if format not in ("huggingface", "marian"):
+        raise AttnmtError(f"--format {format!r}: expected huggingface or marian")
+    if spm and format != "marian":
+        raise AttnmtError("--spm is for --format marian (a MarianMTModel has its own)")
+    if format == "marian":
+        done = import_marian(source, out, force, spm or [])
+    else:
+        done = import_huggingface(source, out, force)
     for note in done.notes:
         typer.echo(f"attnmt: note: {note}", err=True)
     if done.unknown_pieces:
         typer.echo(
-            f"attnmt: note: {done.unknown_pieces:,} SentencePiece pieces are not in vocab.json: "
-            "they read and write as <unk>", err=True,
+            f"attnmt: note: {done.unknown_pieces:,} SentencePiece pieces are not in the model's "
+            "vocabulary: they read and write as <unk>", err=True,
         )  # fmt: skip
     typer.echo(
         f"attnmt: imported {source} into {out}: {done.parameters:,} parameters, "

@@ -28,8 +28,14 @@ def sinusoid_table(
 ) -> torch.Tensor:
     """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...), for pos in
     [offset, offset + length): (length, dim). Computed on demand, so any length works.
-    layout "halves" (Marian's): the same sines in columns [0, ceil(d/2)), the cosines after."""
+    layout "halves" (transformers' MarianMT): the same sines in columns [0, ceil(d/2)), the
+    cosines after; "marian" (Marian C++, tensor2tensor's): halves with the frequencies
+    10000^(-i / (d/2 - 1)), i < d/2."""
     pos = torch.arange(offset, offset + length, dtype=torch.float32).unsqueeze(1)  # (L, 1)
+    if layout == "marian":
+        half = dim // 2
+        div = torch.exp(torch.arange(half, dtype=torch.float32) * (-math.log(10000.0) / (half - 1)))
+        return torch.cat([torch.sin(pos * div), torch.cos(pos * div)], dim=1)  # (L, d)
     div = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10000.0) / dim))
     table = torch.zeros(length, dim)
     sines, cosines = torch.sin(pos * div), torch.cos(pos * div)[:, : dim // 2]  # (L, ~d/2)
