@@ -43,28 +43,36 @@ def word_of_pieces(pieces: list[str]) -> list[int]:
     return [renumber.get(w, -1) for w in out]
 
 
-def word_alignment(
+def word_weights(
     src_pieces: list[str], tgt_pieces: list[str], attention: torch.Tensor
-) -> list[tuple[int, int]]:
-    """(source word, target word) pairs from a hypothesis's attention (len(tgt_pieces),
-    len(src_pieces)), one per target word, in target order."""
+) -> torch.Tensor:
+    """(target words, source words): each target word's attention over the source words (see
+    the module's docstring); empty when either side has no word."""
     src_word, tgt_word = word_of_pieces(src_pieces), word_of_pieces(tgt_pieces)
-    S, T = max(src_word) + 1, max(tgt_word) + 1
+    S, T = max(src_word, default=-1) + 1, max(tgt_word, default=-1) + 1
     if S <= 0 or T <= 0:
-        return []
+        return torch.zeros(max(T, 0), max(S, 0))
     a = attention[: len(tgt_pieces), : len(src_pieces)].float()  # (t, s)
     to_words = torch.zeros(len(src_pieces), S)  # (s, S): piece -> its word
     for i, w in enumerate(src_word):
         if w >= 0:
             to_words[i, w] = 1.0
-    per_piece = a @ to_words  # (t, S)
     rows = torch.zeros(T, len(tgt_pieces))  # (T, t): the mean over a word's pieces
     for i, w in enumerate(tgt_word):
         if w >= 0:
             rows[w, i] = 1.0
-    per_word = (rows / rows.sum(1, keepdim=True).clamp(min=1)) @ per_piece  # (T, S)
-    best = per_word.argmax(1).tolist()
-    return [(int(s), j) for j, s in enumerate(best)]
+    return (rows / rows.sum(1, keepdim=True).clamp(min=1)) @ (a @ to_words)  # (T, S)
+
+
+def word_alignment(
+    src_pieces: list[str], tgt_pieces: list[str], attention: torch.Tensor
+) -> list[tuple[int, int]]:
+    """(source word, target word) pairs from a hypothesis's attention (len(tgt_pieces),
+    len(src_pieces)), one per target word, in target order."""
+    weights = word_weights(src_pieces, tgt_pieces, attention)  # (T, S)
+    if weights.numel() == 0:
+        return []
+    return [(int(s), j) for j, s in enumerate(weights.argmax(1).tolist())]
 
 
 def moses(found: Translation) -> str:

@@ -4,9 +4,10 @@ output words aligned to the source words it surrounded (attnmt.decoding.alignmen
 
 A line's tags form a tree over its words (an element spans the words between its opening and
 closing tags; a self-closing tag sits before a word). Placed in the output, an element covers
-the output words aligned to any of its words (from the first to the last), cut to its parent's
-span and kept clear of the siblings placed before it; siblings are placed in the order of
-their output words, so a reordering model reorders them. An element none of whose words is
+the output words aligned to any of its words (their longest run of consecutive words), cut to
+its parent's span and kept clear of the siblings placed before it; siblings are placed in the
+order of their output words, so a reordering model reorders them. A source word no output word
+chose takes the output word that attends to it most. An element none of whose words is
 aligned, and a self-closing tag, goes before the output word aligned to its first word. The
 output's tags are therefore always balanced and properly nested, whatever the model does. A
 closing tag with no opening tag is dropped; an opening tag never closed spans to the line's
@@ -20,7 +21,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from attnmt.decoding.alignment import align
+from attnmt.decoding.alignment import word_weights
 from attnmt.decoding.translate import Translation
 
 # A tag: <name attr="…" …>, </name> or <name …/>; a quoted attribute value may hold < and >.
@@ -81,21 +82,35 @@ def _name(tag: str) -> str:
     return m.group(2) if m else ""
 
 
-def restore(root: Element, target: str, pairs: list[tuple[int, int]]) -> str:
+def restore(
+    root: Element, target: str, pairs: list[tuple[int, int]], backup: dict[int, int] | None = None
+) -> str:
     """`target` (plain text) with the tags of `root` put back by `pairs` (source word,
-    target word): see the module's docstring."""
+    target word); `backup`: for a source word no pair names, the output word to use (the one
+    that attends to it most). See the module's docstring."""
     words = [html.escape(w, quote=False) for w in target.split()]
     to_target: dict[int, list[int]] = {}
     for i, j in pairs:
         to_target.setdefault(i, []).append(j)
+    for i, j in (backup or {}).items():
+        to_target.setdefault(i, [j])
     tokens = _place(root, 0, len(words), words, to_target)
     return _join(tokens)
 
 
 def _span(e: Element, to_target: dict[int, list[int]]) -> tuple[int, int] | None:
-    """The output words [first, last + 1) aligned to the element's words; None: none are."""
-    js = [j for i in range(e.start, e.end) for j in to_target.get(i, [])]
-    return (min(js), max(js) + 1) if js else None
+    """The longest run of consecutive output words aligned to the element's words (the
+    first of equals), [first, last + 1): a word aligned far away does not stretch the
+    element over the words between. None: no word is aligned."""
+    js = sorted({j for i in range(e.start, e.end) for j in to_target.get(i, [])})
+    if not js:
+        return None
+    runs, first = [], js[0]
+    for a, b in zip(js, [*js[1:], None], strict=True):
+        if b != a + 1:
+            runs.append((first, a + 1))
+            first = b
+    return max(runs, key=lambda r: r[1] - r[0])
 
 
 def _anchor(e: Element, to_target: dict[int, list[int]]) -> int | None:
@@ -152,7 +167,18 @@ def _join(tokens: list[tuple[str, str]]) -> str:
 
 
 def put_back(found: list[list[Translation]], trees: Sequence[Element]) -> None:
-    """In place: each hypothesis's text with its line's tags restored by its alignment."""
+    """In place: each hypothesis's text with its line's tags restored by its alignment (and,
+    for a source word no output word chose, the output word that attends to it most)."""
     for results, tree in zip(found, trees, strict=True):
         for r in results:
-            r.text = restore(tree, r.text, align(r))
+            if r.attention is None:  # an empty line
+                r.text = restore(tree, r.text, [])
+                continue
+            weights = word_weights(r.src_pieces, r.tgt_pieces, r.attention)  # (T, S)
+            pairs = (
+                [(int(i), j) for j, i in enumerate(weights.argmax(1).tolist())]
+                if weights.numel()
+                else []
+            )
+            backup = dict(enumerate(weights.argmax(0).tolist())) if weights.numel() else {}
+            r.text = restore(tree, r.text, pairs, backup)

@@ -70,6 +70,16 @@ def test_an_identity_alignment_gives_the_line_back():
     assert restore(root, " ".join(swapped), pairs).startswith("Hund <b>großer</b> Ein <a")
 
 
+def test_a_far_link_does_not_stretch_an_element_and_backup_links_fill_gaps():
+    _, root = parse("Ein <b>Hund</b> bellt <i>laut</i> .")
+    # Hund is aligned to "dog" and, wrongly, to the far "." too: <b> keeps to "dog".
+    out = restore(root, "A dog barks loudly .", [(0, 0), (1, 1), (2, 2), (1, 4)])
+    assert out.startswith("A <b>dog</b> barks") and "<i></i>" in out  # laut: no link
+    # With the output word that attends to laut most, <i> goes around "loudly".
+    out = restore(root, "A dog barks loudly .", [(0, 0), (1, 1), (2, 2)], {3: 3})
+    assert out == "A <b>dog</b> barks <i>loudly</i> ."
+
+
 def test_markup_from_the_cli_and_over_http(trained, tmp_path, run_cli):
     lines = [f"<b>{a}</b> {b}" for a, b in zip(*[make_pairs(6, 3)[0]] * 2, strict=True)]
     lines += ['w1 <x id="1"/> w2 &amp; <i>w3</i>', ""]
