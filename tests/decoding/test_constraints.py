@@ -90,3 +90,12 @@ def test_the_length_limit_before_the_constraints_is_said(trained, capsys):
     found = translate(model, tok, LINES[:2], options, batch_tokens=200, constraints=ids)
     assert found[0][0].unmet == 1 and found[1][0].unmet == 0
     assert "input line 1: 1 of 1 constraints not met" in capsys.readouterr().err
+
+
+def test_an_ensemble_meets_them_as_one_model_does(trained):
+    one = Translator.load(trained[0], device="cpu")
+    pair = Translator.load([trained[0], trained[0]], device="cpu")
+    phrases = [["t3"], ["t8 t2"], []] * 3
+    found = pair.translate(LINES[:9], beam=4, constraints=phrases)
+    assert found == one.translate(LINES[:9], beam=4, constraints=phrases)
+    assert all(f" {p} " in f" {t} " for t, line in zip(found, phrases, strict=True) for p in line)
