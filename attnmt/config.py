@@ -202,6 +202,9 @@ class ModelConfig(_Section):
     # tensor2tensor's frequencies).
     positions: Literal["interleaved", "halves", "marian"] = "interleaved"
     output_bias: bool = False  # a bias on the output projection (Marian's final_logits_bias)
+    # The decoder's look at earlier target positions: masked self-attention, or an SSRU
+    # recurrence (Kim et al. 2019; Firefox's students), a vector per layer when decoding.
+    decoder: Literal["attention", "ssru"] = "attention"
     # both: share the target embedding with the output projection (and with the source
     # embedding when the vocabulary is joint)
     tie_embeddings: bool = True
@@ -212,6 +215,10 @@ class ModelConfig(_Section):
             raise ValueError(
                 f"model.hidden_size = {self.hidden_size} must be divisible by "
                 f"model.heads = {self.heads}"
+            )
+        if self.arch == "rnn" and self.decoder != "attention":
+            raise ValueError(
+                "model.decoder ssru is a Transformer decoder's (model.arch: transformer)"
             )
         return self
 

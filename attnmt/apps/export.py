@@ -62,6 +62,11 @@ def export_ctranslate2(
             f"{model_dir} is a GRU model (model.arch: {cfg.model.arch}); CTranslate2 has no GRU "
             "decoder, so only Transformer models can be exported"
         )
+    if cfg.model.decoder != "attention":
+        raise AttnmtError(
+            f"{model_dir} has an SSRU decoder (model.decoder: {cfg.model.decoder}); CTranslate2's "
+            "Transformer decoder has self-attention only"
+        )
     positions = max(cfg.decode.max_output_len, cfg.decode.max_src_len) + 1
     spec = transformer_spec(ct2, net, cfg.model.heads, positions)
     src_pieces = tokenizer.src.pieces(range(len(tokenizer.src)))

@@ -331,8 +331,10 @@ def export_huggingface(
     m = cfg.model
     why = (
         "a GRU model" if m.arch != "transformer" else
+        "an SSRU decoder (model.decoder ssru; MarianMTModel has self-attention)"
+        if m.decoder != "attention" else
         "pre-norm (MarianMTModel is post-norm)" if m.norm != "post" else
-        "model.positions interleaved (MarianMTModel computes the halves table)"
+        f"model.positions {m.positions} (MarianMTModel computes the halves table)"
         if m.positions != "halves" else
         "two SentencePiece models (MarianMTModel here takes one vocabulary)" if not tokenizer.joint
         else None

@@ -21,6 +21,7 @@ from attnmt.data.tokenizer import PAD_ID
 from attnmt.kernels import Dropout, Linear, dropout_add, feed_forward, linear_cross_entropy
 from attnmt.models.attention import MultiHeadAttention, additive_mask
 from attnmt.models.seq2seq import AttentionSpec, Seq2Seq, gold_coins
+from attnmt.models.ssru import SSRU
 
 
 def sinusoid_table(
@@ -152,10 +153,15 @@ def append_position(
 
 
 class DecoderLayer(nn.Module):
+    """Masked self-attention (or, model.decoder ssru, a recurrence: attnmt.models.ssru),
+    attention over the encoder output, feed-forward; each in a residual block."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d, pre = cfg.hidden_size, cfg.norm == "pre"
-        self.self_attn = MultiHeadAttention(d, cfg.heads, dropout=cfg.attention_dropout)
+        self.ssru = SSRU(d) if cfg.decoder == "ssru" else None
+        if self.ssru is None:
+            self.self_attn = MultiHeadAttention(d, cfg.heads, dropout=cfg.attention_dropout)
         self.cross_attn = MultiHeadAttention(d, cfg.heads, dropout=cfg.attention_dropout)
         self.ff = FeedForward(d, cfg.ff_size, cfg.dropout, cfg.activation)
         self.res_self = Residual(d, cfg.dropout, pre)
@@ -172,8 +178,11 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """All target positions at once (training): x (B, T, d) -> (B, T, d), causal."""
         h = self.res_self.normed_input(x)
-        k, v = self.self_attn.project_kv(h, h)  # (B, h, T, d_h)
-        x = self.res_self.add(x, self.self_attn.attend(h, k, v, causal=True)[0])
+        if self.ssru is not None:
+            x = self.res_self.add(x, self.ssru(h))
+        else:
+            k, v = self.self_attn.project_kv(h, h)  # (B, h, T, d_h)
+            x = self.res_self.add(x, self.self_attn.attend(h, k, v, causal=True)[0])
         h = self.res_cross.normed_input(x)
         out, weights = self.cross_attn.attend(
             h, cross_k, cross_v, src_mask, need_weights=need_weights
@@ -184,23 +193,31 @@ class DecoderLayer(nn.Module):
     def step(
         self,
         x: torch.Tensor,
-        cache: LayerCache,
+        cache: LayerCache | RecurrentCache,
         cross_k: torch.Tensor,
         cross_v: torch.Tensor,
         src_mask: torch.Tensor,
         need_weights: bool = False,
         rows: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, LayerCache, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, LayerCache | RecurrentCache, torch.Tensor | None]:
         """One new position: x (N, 1, d) -> (N, 1, d), the grown cache, and (if asked) the
         per-head cross-attention weights (N, h, 1, S). N = G * B for cross_k of B rows:
         each group of G consecutive rows (a sentence's beams) shares one memory row.
         rows (N,): the cache rows that the N rows of x continue (None: all, in order)."""
         h = self.res_self.normed_input(x)
-        k_new, v_new = self.self_attn.project_kv(h, h)  # (N, h, 1, d_h)
-        k = append_position(cache.self_k, k_new, rows)  # (N, h, t+1, d_h)
-        v = append_position(cache.self_v, v_new, rows)  # (N, h, t+1, d_h)
-        # The newest position may see every cached one: no causal mask needed.
-        x = self.res_self.add(x, self.self_attn.attend(h, k, v)[0])
+        new_cache: LayerCache | RecurrentCache
+        if isinstance(cache, RecurrentCache):
+            assert self.ssru is not None
+            c = cache.c if rows is None else cache.c.index_select(0, rows)  # (N, d)
+            out, c = self.ssru.step(h, c)
+            x, new_cache = self.res_self.add(x, out), RecurrentCache(c)
+        else:
+            k_new, v_new = self.self_attn.project_kv(h, h)  # (N, h, 1, d_h)
+            k = append_position(cache.self_k, k_new, rows)  # (N, h, t+1, d_h)
+            v = append_position(cache.self_v, v_new, rows)  # (N, h, t+1, d_h)
+            # The newest position may see every cached one: no causal mask needed.
+            x = self.res_self.add(x, self.self_attn.attend(h, k, v)[0])
+            new_cache = LayerCache(k, v)
         h = self.res_cross.normed_input(x)
         N, _, d = h.shape
         B = cross_k.size(0)
@@ -217,7 +234,12 @@ class DecoderLayer(nn.Module):
         if weights is not None:
             weights = weights.transpose(1, 2).reshape(N, -1, 1, weights.size(-1))  # (N, h, 1, S)
         x = self.res_ff.add(x, self.ff(self.res_ff.normed_input(x)))
-        return x, LayerCache(k, v), weights
+        return x, new_cache, weights
+
+
+@dataclass
+class RecurrentCache:
+    c: torch.Tensor  # (B, d): an SSRU decoder layer's state c_t
 
 
 @dataclass
@@ -230,7 +252,7 @@ class TransformerMemory:
 
 @dataclass
 class TransformerState:
-    caches: list[LayerCache]
+    caches: list[LayerCache | RecurrentCache]
     position: int  # number of target positions decoded so far
     # The cache rows the state's rows continue, (N,), or None: all, in order. select_state
     # only records them; the next step applies them as it appends its position.
@@ -307,7 +329,12 @@ class TransformerSeq2Seq(Seq2Seq):
     def init_state(self, memory: TransformerMemory) -> TransformerState:
         k = memory.cross[0][0]
         empty = k.new_zeros(k.size(0), k.size(1), 0, k.size(3))  # (B, h, 0, d_h)
-        return TransformerState([LayerCache(empty, empty) for _ in self.decoder_layers], 0)
+        zeros = k.new_zeros(k.size(0), k.size(1) * k.size(3))  # (B, d): c_0 of an SSRU layer
+        caches: list[LayerCache | RecurrentCache] = [
+            RecurrentCache(zeros) if layer.ssru is not None else LayerCache(empty, empty)
+            for layer in self.decoder_layers
+        ]
+        return TransformerState(caches, 0)
 
     def decode_step(
         self,
