@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Pretrained models in and out, measured (docs/benchmarks.md "Importing a Marian model"):
-#   marian   a Marian model trained by Marian (../shared/peers: bench.sh setup marian tools, prep,
+#   marian [OUT [NPZ]]  a Marian model trained by Marian (../shared/peers: bench.sh setup marian tools, prep,
 #            train marian T SECS) imported into attnmt; test_2016_flickr BLEU of marian-decoder
 #            and attnmt, greedy and beam 5 (raw log-probability ranking in both, alpha 0), and
 #            sentences/s at 1 and 2 threads, attnmt fp32 and int8 against marian-decoder.
@@ -27,7 +27,7 @@ print('\n'.join(sp.decode_pieces(l.split()) for l in open(sys.argv[2]).read().sp
 
 case "$1" in
 marian)
-  model=$RUN/models/marian_T/model.npz out=${2:-runs/marian_import}
+  out=${2:-runs/marian_import} model=${3:-$RUN/models/marian_T/model.npz}
   attnmt import "$model" --out "$out" --spm "$SPM/spm8k.model" --force
   width=$(awk '{print NF}' "$SPM/test.de" | sort -n | tail -1)
   factor=$(python -c "print((1.5 * ($width + 1) + 10) / ($width + 1))")  # ~ attnmt's 1.5 n + 10
