@@ -176,6 +176,18 @@ class Constraints:
         full = met.all(1).view(n, -1)
         return Candidates(s, b, t, key, full, (cur, pos, met))
 
+    def step(
+        self, scores: torch.Tensor, logp: torch.Tensor, eos_id: int, K: int
+    ) -> tuple[torch.Tensor, ...]:
+        """beam_search's choice under the constraints: the candidates' scores, beams and
+        tokens (n, M) each, which finish, which K continue and whether the best candidate
+        that met every phrase is EOS (see choose); `logp` (n*K, V) loses EOS where a row has
+        not met its phrases."""
+        self.forbid_eos(logp, eos_id)
+        cands = self.candidates(scores, logp, eos_id)  # (n, M) each
+        finish, pick, best_is_eos = self.choose(cands, eos_id, K)
+        return cands.scores, cands.beams, cands.tokens, finish, pick, best_is_eos
+
     def choose(
         self, cands: Candidates, eos_id: int, K: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -339,7 +339,8 @@ def beam_search(
         For each sentence, its n_best hypotheses: the 1-best first, then by score (_Finished).
     """
     # Long: one loop whose four numbered parts share the beams' state (scores, tokens, state,
-    # attention, active sentences); as functions they would pass all of it back and forth.
+    # attention, active sentences); the choice (1, 2) is the chooser's and the finishing (3)
+    # _Finished.settle's, the rest would pass all of that state back and forth.
     method = options.method
     assert isinstance(method, Beam)
     K, n_best, alpha = method.size, method.n_best, method.length_penalty
@@ -360,7 +361,7 @@ def beam_search(
     active = list(range(B))  # original sentence index of each active row block
     results = _Finished(alpha, n_best, B)
     constrained = constraints is not None and any(constraints.phrases)
-    banks = Constraints(constraints, K, device) if constrained else None
+    chooser = Constraints(constraints, K, device) if constrained else _ByScore()
     for t in range(int(limits.max())):
         n = len(active)
         logits, state, attn = model.decode_step(memory, state, prev, attention)  # (n*K, V)
@@ -371,16 +372,10 @@ def beam_search(
             attn_hist = a if attn_hist is None else torch.cat([attn_hist, a], dim=1)
         # 1. EOS among each sentence's first K candidates finishes a hypothesis; 2. the K
         # first that are not EOS continue (first: by score, or by the constraints' banks).
-        if banks is None:
-            top_scores, top_beam, top_tok = _best_candidates(scores, logp)  # (n, 2K) each
-            finish, pick, is_eos = _choose(top_scores, top_tok, model.eos_id, K)
-            best_is_eos = is_eos[:, 0].tolist()
-        else:
-            banks.forbid_eos(logp, model.eos_id)
-            cands = banks.candidates(scores, logp, model.eos_id)  # (n, M) each
-            top_scores, top_beam, top_tok = cands.scores, cands.beams, cands.tokens
-            finish, pick, best_eos = banks.choose(cands, model.eos_id, K)
-            best_is_eos = best_eos.tolist()
+        top_scores, top_beam, top_tok, finish, pick, best_eos = chooser.step(
+            scores, logp, model.eos_id, K
+        )  # candidates (n, M) each; finish (n, M); pick (n, K); best_eos (n,)
+        best_is_eos = best_eos.tolist()
         for r, c in finish.nonzero().tolist():
             row = r * K + int(top_beam[r, c])
             results.add(
@@ -399,15 +394,9 @@ def beam_search(
         # model the EOS extensions of poor beams fill those K places while the best beam is
         # still in mid-sentence.
         at_limit = (limits[active] <= t + 1).tolist()
-        unmet = [0] * (n * K) if banks is None else banks.unmet().tolist()
-        keep = []
-        for r in range(n):
-            for j in range(K if at_limit[r] else 0):
-                row = r * K + j
-                results.add(active[r], tokens[row], float(new_scores[r, j]), t + 1, False,
-                            attn_hist, row, unmet[row])  # fmt: skip
-            if not results.done(active[r], best_is_eos[r], at_limit[r]):
-                keep.append(r)
+        lacking = chooser.unmet() if any(at_limit) else None  # (n*K,) constraints unmet
+        keep = results.settle(active, t + 1, at_limit, best_is_eos, tokens, new_scores,
+                              attn_hist, lacking)  # fmt: skip
         # 4. Done sentences leave; the others go on with their reordered beams.
         if not keep:
             break
@@ -422,25 +411,35 @@ def beam_search(
             scores, prev, tokens = scores[keep_t], prev[keep_rows], tokens[keep_rows]
             if attn_hist is not None:
                 attn_hist = attn_hist[keep_rows]
-            if banks is not None:
-                banks.keep(keep_rows)
+            chooser.keep(keep_rows)
             active = [active[r] for r in keep]
         else:
             state = model.select_state(state, rows)
     return results.n_best_lists()
 
 
-def _choose(
-    top_scores: torch.Tensor, top_tok: torch.Tensor, eos_id: int, K: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Unconstrained beam search's choice among each sentence's 2K best candidates (n, 2K),
-    best first: the EOS among the first K finish ((n, 2K) bool), the K best others continue
-    ((n, K) indices); also which candidates are EOS."""
-    is_eos = top_tok == eos_id  # (n, 2K)
-    finish = is_eos.clone()
-    finish[:, K:] = False
-    _, pick = top_scores.masked_fill(is_eos, float("-inf")).topk(K, dim=1)  # (n, K)
-    return finish, pick, is_eos
+class _ByScore:
+    """Unconstrained beam search's choice (the constrained one: constraints.Constraints)."""
+
+    def step(
+        self, scores: torch.Tensor, logp: torch.Tensor, eos_id: int, K: int
+    ) -> tuple[torch.Tensor, ...]:
+        """Among each sentence's 2K best candidates (n, 2K) each, best first: their scores,
+        beams and tokens; the EOS among the first K finish ((n, 2K) bool); the K best others
+        continue ((n, K) indices); whether the best candidate is EOS ((n,) bool)."""
+        top_scores, top_beam, top_tok = _best_candidates(scores, logp)  # (n, 2K) each
+        is_eos = top_tok == eos_id  # (n, 2K)
+        finish = is_eos.clone()
+        finish[:, K:] = False
+        _, pick = top_scores.masked_fill(is_eos, float("-inf")).topk(K, dim=1)  # (n, K)
+        return top_scores, top_beam, top_tok, finish, pick, is_eos[:, 0]
+
+    def unmet(self) -> None:
+        """No constraints: none unmet."""
+        return None
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Nothing per row to keep."""
 
 
 def _best_candidates(
@@ -487,6 +486,32 @@ class _Finished:
         hyp = _hypothesis(tokens, logprob, length, self.alpha, ended, attn)
         hyp.unmet = unmet
         self.hyps[sent].append(hyp)
+
+    def settle(
+        self,
+        active: list[int],
+        length: int,
+        at_limit: list[bool],
+        best_is_eos: list[bool],
+        tokens: torch.Tensor,
+        scores: torch.Tensor,
+        attn_hist: torch.Tensor | None,
+        unmet: torch.Tensor | None,
+    ) -> list[int]:
+        """After a step: the live beams (tokens (n*K, length), scores (n, K)) of sentences at
+        their length limit finish as they are (`unmet`: (n*K,) constraints each lacks); returns
+        the places r in `active` of the sentences that go on (see done)."""
+        K = scores.size(1)
+        lacking = [0] * tokens.size(0) if unmet is None else unmet.tolist()
+        keep = []
+        for r, sent in enumerate(active):
+            for j in range(K if at_limit[r] else 0):
+                row = r * K + j
+                self.add(sent, tokens[row], float(scores[r, j]), length, False, attn_hist, row,
+                         lacking[row])  # fmt: skip
+            if not self.done(sent, best_is_eos[r], at_limit[r]):
+                keep.append(r)
+        return keep
 
     def done(self, sent: int, best_is_eos: bool, at_limit: bool) -> bool:
         """Whether sentence `sent` is done (see beam_search). Where a 1-best search would stop,
