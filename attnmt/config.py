@@ -324,7 +324,8 @@ class DecodeConfig(_Section):
     beam: int = Field(5, ge=1, le=100)
     length_penalty: float = Field(1.0, ge=0.0, le=10.0)
     max_len_a: float = Field(1.5, ge=0.0, le=10.0)
-    max_len_b: int = Field(10, ge=1, le=1000)
+    max_len_b: int = Field(10, ge=0, le=1000)
+    max_len_round: Literal["floor", "ceil"] = "floor"
     max_output_len: int = Field(1500, ge=1, le=100_000)
     max_src_len: int = Field(1000, ge=2, le=100_000)
     batch_tokens: int = Field(8000, ge=1)

@@ -26,6 +26,7 @@ from attnmt.config import Config
 from attnmt.data.files import WriteError, atomic_directory, free_space, reason
 from attnmt.data.text import read_lines, read_test_set
 from attnmt.data.tokenizer import BOS_ID, PAD_ID, Tokenizer, language_tag
+from attnmt.decoding.search import output_limit, search_options
 from attnmt.decoding.translator import Translator
 from attnmt.errors import AttnmtError
 from attnmt.models.directory import load_model_dir, read_run_files
@@ -114,10 +115,15 @@ def generation(cfg: Config, tokenizer: Tokenizer) -> dict[str, Any]:
         "beam_size": d.beam,
         "length_penalty": d.length_penalty,
         "max_input_length": d.max_src_len,
-        "max_decoding_length": {"a": d.max_len_a, "b": d.max_len_b, "max": d.max_output_len},
+        "max_decoding_length": {
+            "a": d.max_len_a,
+            "b": d.max_len_b,
+            "max": d.max_output_len,
+            "round": d.max_len_round,
+        },
         "notes": [
-            "per sentence, max_decoding_length = min(max, int(a * (source pieces + 1)) + b), "
-            "as attnmt stops; with a batch, use the largest",
+            "per sentence, max_decoding_length = min(max, round(a * (source pieces + 1)) + b), "
+            "rounded down (floor) or up (ceil), as attnmt stops; with a batch, use the largest",
             "greedy output equals attnmt's; beam output may differ on some lines: CTranslate2 "
             "ranks finished hypotheses by score / length^length_penalty, attnmt by score / "
             "((5 + length) / 6)^length_penalty",
@@ -178,7 +184,7 @@ def check_agreement(
     ct2 = _import_ctranslate2()
     ours = Translator.load(model_dir, "cpu", weights, "fp32", workers=1)
     langs: list[str | None] = list(ours.target_langs) if ours.cfg.data.multilingual else [None]
-    decode = ours.cfg.decode
+    options = search_options(ours.cfg.decode)
     theirs = ct2.Translator(str(out), device="cpu", inter_threads=1)
     found: list[Agreement] = []
     for lang in langs:
@@ -187,7 +193,7 @@ def check_agreement(
         same = 0
         for line, expected in zip(lines, want, strict=True):
             pieces = prefix + ours.tokenizer.src.sp.encode(line, out_type=str)
-            limit = int(decode.max_len_a * (len(pieces) + 1)) + decode.max_len_b
+            limit = output_limit(len(pieces) + 1, options)
             got = theirs.translate_batch(
                 [pieces], beam_size=1, max_decoding_length=limit,
                 suppress_sequences=never_output(ours.tokenizer),

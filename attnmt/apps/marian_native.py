@@ -57,6 +57,7 @@ class NativeFiles:
     vocabs: tuple[Path, Path]  # source, target
     spm: tuple[Path, Path]  # the SentencePiece models that make the vocabularies' pieces
     beam: int
+    length_factor: float  # Marian's --max-length-factor: outputs up to ceil(factor * source)
 
 
 def import_marian(source: Path, out: Path, force: bool = False, spm: list[Path] = ()) -> Imported:
@@ -121,9 +122,13 @@ def native_files(source: Path, spm: list[Path]) -> NativeFiles:
 
     npz = source if source.suffix == ".npz" else where(str(conf["models"][0]))
     vocabs = (where(str(conf["vocabs"][0])), where(str(conf["vocabs"][-1])))
+    factor = conf.get("max-length-factor", 3)  # Marian's default
+    if not isinstance(factor, (int, float)) or not 0 < factor <= 10:
+        raise CheckpointError(f"{decoder}: max-length-factor {factor!r} is not in (0, 10]")
     return NativeFiles(
-        npz, vocabs, spm_models(vocabs, decoder.parent, spm), int(conf.get("beam-size", 5))
-    )
+        npz, vocabs, spm_models(vocabs, decoder.parent, spm), int(conf.get("beam-size", 5)),
+        float(factor),
+    )  # fmt: skip
 
 
 def spm_models(vocabs: tuple[Path, Path], folder: Path, given: list[Path]) -> tuple[Path, Path]:
@@ -290,7 +295,8 @@ def layer_state(take: Any, cfg: ModelConfig) -> dict[str, torch.Tensor]:
 
 def config(cfg_model: ModelConfig, files: NativeFiles, out: Path, joint: bool) -> Config:
     """The model directory's config: the imported model, its tokenizer files (the directory's
-    own, conformed), the beam from the decoder config; data names the source (no corpus)."""
+    own, conformed), the beam and Marian's output limit (ceil(max-length-factor x source
+    pieces with EOS)) from the decoder config; data names the source (no corpus)."""
     target = out.resolve()
     names = [Tokenizer.JOINT_FILE] if joint else [Tokenizer.SRC_FILE, Tokenizer.TGT_FILE]
     keys = ["model"] if joint else ["src_model", "tgt_model"]
@@ -302,6 +308,11 @@ def config(cfg_model: ModelConfig, files: NativeFiles, out: Path, joint: bool) -
             **{k: str(target / n) for k, n in zip(keys, names, strict=True)},
         },
         "model": cfg_model.model_dump(mode="json"),
-        "decode": {"beam": files.beam},
+        "decode": {
+            "beam": files.beam,
+            "max_len_a": files.length_factor,
+            "max_len_b": 0,
+            "max_len_round": "ceil",
+        },
     }
     return from_dict(raw)

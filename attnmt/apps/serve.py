@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
 from attnmt.decoding.alignment import align
-from attnmt.decoding.search import Beam, Sampling, SearchOptions
+from attnmt.decoding.search import Beam, Sampling, SearchOptions, output_limit
 from attnmt.decoding.translate import Translation
 from attnmt.decoding.translator import Translator
 from attnmt.errors import AttnmtError
@@ -389,7 +389,7 @@ def attention_bound(
     total = 0
     for ids in translator.tokenizer.src.encode([line.strip() for line in lines]):
         S = min(len(ids) + 2, options.max_src_len)  # EOS and a language tag
-        T = min(int(options.max_len_a * S) + options.max_len_b, options.max_output_len) + 1
+        T = output_limit(S, options) + 1
         total += maps * T * S
     return total
 

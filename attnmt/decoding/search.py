@@ -9,6 +9,7 @@ of every sentence as one (sentences × beam) tensor.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -64,6 +65,7 @@ class SearchOptions:
     attention: AttentionSpec | None = None  # return this attention per hypothesis
     # Greedy search only (beam search needs them): compute Hypothesis.score, else NaN.
     scores: bool = True
+    max_len_round: str = "floor"  # a * source length rounded down, or up ("ceil": Marian's rule)
 
     @property
     def n_best(self) -> int:
@@ -95,7 +97,7 @@ def search_options(
         method = Beam(beam, alpha, n_best)
     return SearchOptions(
         method, cfg.max_len_a, cfg.max_len_b, cfg.max_output_len, cfg.max_src_len, attention,
-        scores=n_best > 1,
+        scores=n_best > 1, max_len_round=cfg.max_len_round,
     )  # fmt: skip
 
 
@@ -195,12 +197,20 @@ def pick_output(
     return nxt
 
 
+def output_limit(src_len: int, options: SearchOptions) -> int:
+    """The output limit of one sentence of src_len subwords (EOS included): round(a *
+    src_len) + b output tokens (EOS included), rounded down or up (max_len_round), at least 1
+    and at most max_output_len. Marian's rule is a = --max-length-factor, b = 0, rounded up."""
+    scaled = round(options.max_len_a * src_len, 6)  # 1.1 * 10 is 11, not 11.000000000000002
+    rounded = math.ceil(scaled) if options.max_len_round == "ceil" else math.floor(scaled)
+    return max(1, min(rounded + options.max_len_b, options.max_output_len))
+
+
 def max_output_lengths(src_pad_mask: torch.Tensor, options: SearchOptions) -> torch.Tensor:
-    """Per-sentence output limit a * source_length + b, at most max_output_len (EOS
-    included): (B,) long."""
-    src_len = (~src_pad_mask).sum(dim=1)  # (B,)
-    limits = (options.max_len_a * src_len.float()).floor().long() + options.max_len_b
-    return limits.clamp(max=options.max_output_len)
+    """output_limit of every sentence of a batch: (B,) long."""
+    src_len = (~src_pad_mask).sum(dim=1).tolist()  # (B,)
+    limits = [output_limit(n, options) for n in src_len]
+    return torch.tensor(limits, dtype=torch.long, device=src_pad_mask.device)
 
 
 def length_penalty(length: int | torch.Tensor, alpha: float) -> float | torch.Tensor:

@@ -132,4 +132,4 @@ def test_the_export_carries_its_decoding_options_and_a_shareable_mode(tmp_path, 
     assert (tmp_path / "ct2").stat().st_mode & 0o777 == 0o755  # not mkdtemp's 0o700
     options = json.loads((tmp_path / "ct2" / "generation.json").read_text())
     assert options["beam_size"] == 5 and options["length_penalty"] == 1.0
-    assert options["max_decoding_length"] == {"a": 1.5, "b": 10, "max": 1500}
+    assert options["max_decoding_length"] == {"a": 1.5, "b": 10, "max": 1500, "round": "floor"}

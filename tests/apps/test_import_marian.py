@@ -167,6 +167,8 @@ def test_a_random_marian_model_scores_as_marian_computes(tmp_path, norm, run_cli
         "import", str(tmp_path / "marian"), "--out", str(tmp_path / "m"), "--spm", str(sp_model)
     )
     assert r.code == 0, r.stderr
+    decode = Translator.load(tmp_path / "m").cfg.decode  # Marian's output cap, its default factor
+    assert (decode.max_len_a, decode.max_len_b, decode.max_len_round) == (3.0, 0, "ceil")
     vocab = read_vocab(vocab_file)
     sp = spm.SentencePieceProcessor(model_file=str(sp_model))
     for src_text, tgt_text in zip(*make_pairs(5, 3), strict=True):
@@ -190,35 +192,82 @@ def test_what_attnmt_cannot_express_is_refused_in_one_line(tmp_path, run_cli):
         native_files(tmp_path, [])
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not Path(PYMARIAN).is_file(), reason="no pymarian (PYMARIAN_PYTHON, or "
-                    "../shared/peers: bash bench.sh setup marian)")  # fmt: skip
-def test_a_model_trained_by_marian_scores_as_marian_scores_it(tmp_path, run_cli):
-    sp_model, vocab_file, _ = spm_and_vocab(tmp_path)
+NEEDS_MARIAN = pytest.mark.skipif(
+    not Path(PYMARIAN).is_file(),
+    reason="no pymarian (PYMARIAN_PYTHON, or ../shared/peers: bash bench.sh setup marian)",
+)
+MARIAN = [PYMARIAN, "-m", "pymarian"]
+
+
+def marian_trained(tmp: Path, norm: str, updates: int) -> tuple[Path, Path, Path]:
+    """A tiny model trained by Marian itself on the toy pair: (model.npz, vocabulary,
+    SentencePiece model)."""
+    sp_model, vocab_file, _ = spm_and_vocab(tmp)
     sp = spm.SentencePieceProcessor(model_file=str(sp_model))
     src, tgt = make_pairs(300, 1)
     for name, lines in (("train.src", src), ("train.tgt", tgt)):
-        write_lines(tmp_path / name, [" ".join(sp.encode(x, out_type=str)) for x in lines])
-    (tmp_path / "model").mkdir()
-    marian = [PYMARIAN, "-m", "pymarian"]
-    conf = options("pre") | {"max-length": 100, "after": "30u", "mini-batch": 32,
-                             "learn-rate": 0.003, "seed": 1, "quiet": True}  # fmt: skip
-    (tmp_path / "train.yml").write_text(yaml.safe_dump(conf))
-    subprocess.run([*marian, "train", "-c", str(tmp_path / "train.yml"), "--train-sets",
-                    str(tmp_path / "train.src"), str(tmp_path / "train.tgt"), "--vocabs",
-                    str(vocab_file), str(vocab_file), "-m", str(tmp_path / "model/model.npz"),
+        write_lines(tmp / name, [" ".join(sp.encode(x, out_type=str)) for x in lines])
+    (tmp / "model").mkdir()
+    conf = options(norm) | {"max-length": 100, "after": f"{updates}u", "mini-batch": 32,
+                            "learn-rate": 0.003, "seed": 1, "quiet": True}  # fmt: skip
+    (tmp / "train.yml").write_text(yaml.safe_dump(conf))
+    subprocess.run([*MARIAN, "train", "-c", str(tmp / "train.yml"), "--train-sets",
+                    str(tmp / "train.src"), str(tmp / "train.tgt"), "--vocabs",
+                    str(vocab_file), str(vocab_file), "-m", str(tmp / "model/model.npz"),
                     "--cpu-threads", "1"], check=True, capture_output=True)  # fmt: skip
+    return tmp / "model/model.npz", vocab_file, sp_model
+
+
+@pytest.mark.slow
+@NEEDS_MARIAN
+def test_a_model_trained_by_marian_scores_as_marian_scores_it(tmp_path, run_cli):
+    npz, vocab_file, sp_model = marian_trained(tmp_path, "pre", 30)
+    sp = spm.SentencePieceProcessor(model_file=str(sp_model))
     pairs = list(zip(*make_pairs(8, 4), strict=True))
     for name, side in (("s.txt", 0), ("t.txt", 1)):
         write_lines(tmp_path / name, [" ".join(sp.encode(p[side], out_type=str)) for p in pairs])
-    scored = subprocess.run([*marian, "score", "-m", str(tmp_path / "model/model.npz"), "-v",
+    scored = subprocess.run([*MARIAN, "score", "-m", str(npz), "-v",
                              str(vocab_file), str(vocab_file), "-t", str(tmp_path / "s.txt"),
                              str(tmp_path / "t.txt"), "--word-scores", "--cpu-threads", "1",
                              "--quiet"], check=True, capture_output=True, text=True)  # fmt: skip
-    r = run_cli("import", str(tmp_path / "model/model.npz"), "--out", str(tmp_path / "m"),
-                "--spm", str(sp_model))  # fmt: skip
+    r = run_cli("import", str(npz), "--out", str(tmp_path / "m"), "--spm", str(sp_model))
     assert r.code == 0, r.stderr
     for (src_text, tgt_text), line in zip(pairs, scored.stdout.splitlines(), strict=True):
         want = torch.tensor([float(x) for x in line.split("WordScores=")[1].split()])
         torch.testing.assert_close(attnmt_logprobs(tmp_path / "m", src_text, tgt_text), want,
                                    rtol=1e-4, atol=2e-4)  # fmt: skip
+
+
+@pytest.mark.slow
+@NEEDS_MARIAN
+def test_a_post_norm_model_trained_by_marian_decodes_as_marian_decoder(tmp_path, run_cli):
+    """Greedy and beam 4, raw log-probability ranking, one sentence a batch (Marian caps a batch
+    by its widest source): the same outputs under Marian's default cap (3 x source, most lines
+    end) and under 0.5 x source (many lines stop at the cap, rounded up)."""
+    npz, _, sp_model = marian_trained(tmp_path, "post", 40)
+    sp = spm.SentencePieceProcessor(model_file=str(sp_model))
+    sources = make_pairs(60, 7)[0]
+    pieces = [sp.encode(x, out_type=str) for x in sources]
+    write_lines(tmp_path / "s.txt", [" ".join(p) for p in pieces])
+    write_lines(tmp_path / "s.raw", sources)
+    decoder_yml = npz.with_name("model.npz.decoder.yml")
+    for factor in (3, 0.5):
+        decoder_yml.write_text(yaml.safe_dump(yaml.safe_load(decoder_yml.read_text()) | {
+            "max-length-factor": factor}))  # fmt: skip
+        r = run_cli("import", str(npz), "--out", str(tmp_path / "m"), "--spm", str(sp_model),
+                    "--force")  # fmt: skip
+        assert r.code == 0, r.stderr
+        for beam in (1, 4):
+            marian = subprocess.run([*MARIAN, "decode", "-c", str(decoder_yml), "-i",
+                                     str(tmp_path / "s.txt"), "--beam-size", str(beam),
+                                     "--normalize", "0", "--mini-batch", "1", "--maxi-batch",
+                                     "1", "--cpu-threads", "1", "--quiet"],
+                                    check=True, capture_output=True, text=True)  # fmt: skip
+            out = marian.stdout.splitlines()
+            capped = sum(len(o.split()) == math.ceil(factor * (len(p) + 1))
+                         for o, p in zip(out, pieces, strict=True))  # fmt: skip
+            assert capped > 0 if factor < 1 else capped < len(out) / 2
+            r = run_cli("translate", "-m", str(tmp_path / "m"), "-i", str(tmp_path / "s.raw"),
+                        "--beam", str(beam), "--length-penalty", "0")  # fmt: skip
+            assert r.code == 0, r.stderr
+            assert r.stdout.splitlines() == [sp.decode(line.split()) for line in out]

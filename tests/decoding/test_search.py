@@ -18,6 +18,7 @@ from attnmt.decoding.search import (
     greedy_search,
     length_penalty,
     max_output_lengths,
+    output_limit,
 )
 from attnmt.decoding.translate import for_decoding, translate
 from attnmt.device import PRECISION_DTYPES
@@ -104,6 +105,11 @@ def test_max_output_lengths_and_length_penalty():
     assert max_output_lengths(pad, options).tolist() == [6, 3]
     capped = SearchOptions(max_len_a=1.5, max_len_b=2, max_output_len=4)
     assert max_output_lengths(pad, capped).tolist() == [4, 3]
+    # Marian's rule: ceil(factor * (source pieces + EOS)), no b; 1.1 * 10 stays 11
+    marian = SearchOptions(max_len_a=1.5, max_len_b=0, max_len_round="ceil")
+    assert max_output_lengths(pad, marian).tolist() == [5, 2]
+    assert output_limit(10, SearchOptions(max_len_a=1.1, max_len_b=0, max_len_round="ceil")) == 11
+    assert output_limit(3, SearchOptions(max_len_a=0.0, max_len_b=0)) == 1  # never below 1
     assert length_penalty(1, 1.0) == 1.0
     assert length_penalty(7, 1.0) == 2.0
     assert length_penalty(7, 0.0) == 1.0
