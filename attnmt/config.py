@@ -326,6 +326,7 @@ class DecodeConfig(_Section):
     max_len_a: float = Field(1.5, ge=0.0, le=10.0)
     max_len_b: int = Field(10, ge=0, le=1000)
     max_len_round: Literal["floor", "ceil"] = "floor"
+    shortlist: bool = False
     max_output_len: int = Field(1500, ge=1, le=100_000)
     max_src_len: int = Field(1000, ge=2, le=100_000)
     batch_tokens: int = Field(8000, ge=1)

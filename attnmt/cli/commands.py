@@ -18,6 +18,7 @@ from attnmt.cli.options import (
     DeviceOption,
     MatmulOption,
     PrecisionOption,
+    ShortlistOption,
     TargetLangOption,
     TerminologyOption,
     WeightsOption,
@@ -132,6 +133,7 @@ def translate(
         "--constraints", help='Per input line, a JSON list of target phrases its translation '
         'must contain, e.g. ["Haus"] (beam search); [] or an empty line: none.')] = None,
     terminology: TerminologyOption = None,
+    shortlist: ShortlistOption = None,
     alignments: Annotated[bool, typer.Option(
         "--alignments", help="End each output line in ' ||| ' and its word alignment: "
         "Moses-style i-j pairs (source word i, target word j, from 0).")] = False,
@@ -159,7 +161,9 @@ def translate(
     if sampling and beam is not None:
         raise AttnmtError("--sampling draws instead of searching: drop --beam")
     prefixes, wanted = per_line_inputs(prefix, constraints, terminology)
-    translator = Translator.load(model, device, weights, precision, matmul, workers, terminology)
+    translator = Translator.load(
+        model, device, weights, precision, matmul, workers, terminology, shortlist
+    )
     spec, maps = None, None
     if attention is not None:
         spec = translator.attention_spec(attention_layer, attention_head)
@@ -422,6 +426,7 @@ def serve(
     precision: PrecisionOption = None,
     matmul: MatmulOption = None,
     terminology: TerminologyOption = None,
+    shortlist: ShortlistOption = None,
 ) -> None:  # fmt: skip
     """Serve translations over HTTP: POST /translate {"text": [...], "beam": 5}."""
     try:
@@ -437,7 +442,9 @@ def serve(
 
     if terminology is not None:
         check_input(terminology)
-    translator = Translator.load(model, device, weights, precision, matmul, workers, terminology)
+    translator = Translator.load(
+        model, device, weights, precision, matmul, workers, terminology, shortlist
+    )
     limits = Limits(
         max_lines, max_chars, max_queue, batch_wait_ms,
         max_search=max_search, max_attention=max_attention,
@@ -445,6 +452,55 @@ def serve(
     name = name or " + ".join(m.resolve().name for m in model)
     hosts = served_hosts(host, allowed_host or [])
     run(create_app(translator, limits, name, access_log, hosts, docs), host, port, name)
+
+
+@app.command("shortlist", short_help="Build a model's lexical shortlist (faster decoding).")
+def shortlist_command(
+    model: Annotated[Path, typer.Option(
+        "--model", "-m", metavar="DIR", help="The model directory to build it for.")],
+    src: Annotated[Path | None, typer.Option(
+        "--src", "-s", help="Source side of the parallel text (default: the config's "
+        "data.train).")] = None,
+    tgt: Annotated[Path | None, typer.Option(
+        "--tgt", "-t", help="Target side, with --src (e.g. the distilled data).")] = None,
+    k: Annotated[int, typer.Option(
+        "--k", min=1, help="Target pieces kept per source piece.")] = 50,
+    frequent: Annotated[int, typer.Option(
+        "--frequent", min=0, help="The commonest target pieces, allowed in every sentence.")
+    ] = 100,
+    max_pairs: Annotated[int, typer.Option(
+        "--max-pairs", min=1, help="Sentence pairs read at most (the first ones).")
+    ] = 1_000_000,
+) -> None:  # fmt: skip
+    """Estimate IBM Model 1 over the model's pieces on parallel text and save each source
+    piece's K likeliest target pieces in DIR/shortlist.safetensors (translate --shortlist)."""
+    import itertools
+    import time
+
+    from attnmt.config import SplitConfig
+    from attnmt.data.text import read_corpora
+    from attnmt.data.tokenizer import Tokenizer
+    from attnmt.decoding.shortlist import SHORTLIST_FILE, shortlist_from_text
+    from attnmt.models.directory import read_run_files
+
+    cfg, meta = read_run_files(model)
+    if (src is None) != (tgt is None):
+        raise AttnmtError("give both --src and --tgt, or neither (the config's data.train)")
+    if src is None and "imported_from" in meta:
+        raise AttnmtError(f"{model} was imported: give the parallel text with --src and --tgt")
+    splits = [SplitConfig(src=src, tgt=tgt)] if src is not None else cfg.data.corpora
+    pairs = list(itertools.islice(read_corpora(splits), max_pairs))
+    start = time.monotonic()
+    tokenizer = Tokenizer.load(model, cfg.tokenizer.joint)
+    built = shortlist_from_text(
+        tokenizer, [s for s, _ in pairs], [t for _, t in pairs], k, frequent
+    )
+    built.save(model / SHORTLIST_FILE)
+    typer.echo(
+        f"attnmt: wrote {model / SHORTLIST_FILE}: {k} target pieces per source piece and "
+        f"{frequent} frequent ones, from {built.pairs:,} pairs in {time.monotonic() - start:.1f} s",
+        err=True,
+    )  # fmt: skip
 
 
 @app.command(short_help="Translate a corpus with a teacher (distillation).")
@@ -509,6 +565,7 @@ def evaluate(
     precision: PrecisionOption = None,
     matmul: MatmulOption = None,
     target_lang: TargetLangOption = None,
+    shortlist: ShortlistOption = None,
 ) -> None:  # fmt: skip
     """Score translations with sacreBLEU (BLEU, chrF, TER); translate --src first if --model is
     given."""
@@ -529,7 +586,9 @@ def evaluate(
     if model is not None:
         from attnmt.decoding.translator import Translator
 
-        translator = Translator.load(model, device, weights, precision, matmul, workers)
+        translator = Translator.load(
+            model, device, weights, precision, matmul, workers, shortlist=shortlist
+        )
         _, hyps = translator.score_test_set(lines, refs, beam, target_lang)
         if output is not None:
             atomic_write_bytes(output, "".join(h + "\n" for h in hyps).encode("utf-8"))

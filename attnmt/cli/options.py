@@ -55,3 +55,11 @@ TerminologyOption = Annotated[
         "boundaries) must be translated as given (beam search).",
     ),
 ]
+ShortlistOption = Annotated[
+    bool | None,
+    typer.Option(
+        "--shortlist/--no-shortlist",
+        help="Output only each batch's lexical shortlist (the model directory's, from "
+        "`attnmt shortlist`; default: config decode.shortlist).",
+    ),
+]

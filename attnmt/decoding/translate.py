@@ -15,6 +15,7 @@ from attnmt.data.processes import map_batches
 from attnmt.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
 from attnmt.decoding.constraints import Wanted
 from attnmt.decoding.search import Hypothesis, Sampling, SearchOptions, decode
+from attnmt.decoding.shortlist import Shortlist, restricted
 from attnmt.decoding.terminology import Term
 from attnmt.device import PRECISION_DTYPES
 from attnmt.errors import DataError
@@ -49,6 +50,7 @@ def translate(
     prefix: Sequence[int] = (),
     target_prefix: Sequence[Sequence[int]] | None = None,
     constraints: Sequence[Sequence[Sequence[int]]] | None = None,
+    shortlist: Shortlist | None = None,
 ) -> list[list[Translation]]:
     """Translate each line: options.n_best translations per input, in input order.
 
@@ -64,6 +66,8 @@ def translate(
     source pieces. `target_prefix`: per line, the target ids its translations start with.
     `constraints`: per line, target phrases (ids) its translations must contain (beam search);
     a line whose best translation lacks one (the length limit came first) is named on stderr.
+    `shortlist`: each batch outputs only its lexical shortlist's pieces (the model's output
+    projections wrapped by decoding.shortlist.attach).
     """
     was_training = model.training
     model.eval()
@@ -85,7 +89,7 @@ def translate(
     inner = None if constraints is None else torch.tensor(tokenizer.tgt.word_inner)
     job = _SearchJob(
         model, src, options, device, first_line, matmul or active_backend(), wanted, phrases,
-        inner,
+        inner, shortlist,
     )  # fmt: skip
     results = map_batches(job, batches, workers, device)
     for batch, found in zip(batches, results, strict=True):
@@ -129,6 +133,7 @@ class _SearchJob:
     target_prefix: list[list[int]] | None = None  # per source: the ids its output starts with
     constraints: list[list[list[int]]] | None = None  # per source: phrases its output holds
     word_inner: torch.Tensor | None = None  # (V,) bool: target pieces inside a word
+    shortlist: Shortlist | None = None  # restrict each batch's output to its shortlist
 
     @torch.inference_mode()  # per thread, like grad mode: set in the thread that searches
     def __call__(self, batch: list[int]) -> list[list[Hypothesis]]:
@@ -143,7 +148,13 @@ class _SearchJob:
         phrases = None
         if self.constraints is not None:
             phrases = Wanted([self.constraints[j] for j in batch], self.word_inner)
-        with matmul_backend(self.matmul):
+        rows = None
+        if self.shortlist is not None:  # what the prefix and constraints need, too
+            needed = [t for p in wanted or () for t in p]
+            if phrases is not None:
+                needed += [t for line in phrases.phrases for phrase in line for t in phrase]
+            rows = self.shortlist.allowed(tokens, needed)
+        with matmul_backend(self.matmul), restricted(self.model, rows):
             return decode(self.model, tokens, pad_mask, options, wanted, phrases)
 
 

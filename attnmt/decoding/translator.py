@@ -29,6 +29,7 @@ from attnmt.decoding.ensemble import Ensemble
 from attnmt.decoding.forced import ForcedScore, attention_maps, score_pairs
 from attnmt.decoding.markup import parse, put_back
 from attnmt.decoding.search import Beam, SearchOptions, search_options
+from attnmt.decoding.shortlist import Shortlist, attach, load_shortlist
 from attnmt.decoding.terminology import Term, Terminology
 from attnmt.decoding.translate import Scores, Translation, for_decoding, score, score_translations
 from attnmt.decoding.translate import translate as run_search
@@ -65,6 +66,7 @@ class Translator:
     precision: str = "fp32"  # what the model computes in: fp32, bf16, fp16 or int8
     # Terms found in a line become its constraints (beam search); set it, or load's argument.
     terminology: Terminology | None = None
+    shortlist: Shortlist | None = None  # each batch outputs only its shortlist's pieces
 
     @classmethod
     def load(
@@ -76,6 +78,7 @@ class Translator:
         matmul: str | None = None,
         workers: int | None = None,
         terminology: str | Path | None = None,
+        shortlist: bool | None = None,
     ) -> Translator:
         """Load a model directory, or several as an ensemble (the mean of their log-
         probabilities at each step; they must share their SentencePiece models; the first
@@ -84,7 +87,9 @@ class Translator:
         decode.precision);
         matmul auto, blas or onednn (default decode.matmul); workers: batches searched at once
         (default decode.workers; CPU only); terminology: a TSV file of source term TAB
-        target term (Terminology.load). Notes go to stderr."""
+        target term (Terminology.load); shortlist: output only each batch's lexical shortlist
+        (the first model directory's, from `attnmt shortlist`; default decode.shortlist).
+        Notes go to stderr."""
         dirs = (
             [Path(model_dir)] if isinstance(model_dir, str | Path) else list(map(Path, model_dir))
         )
@@ -126,7 +131,11 @@ class Translator:
         members = tuple(c for c, _, _ in loaded)
         net = for_decoding(net, precision)
         terms = None if terminology is None else Terminology.load(Path(terminology))
-        return cls(cfg, tokenizer, net, dev, backend, n_workers, members, precision, terms)
+        short = None
+        if cfg.decode.shortlist if shortlist is None else shortlist:
+            short = load_shortlist(dirs[0], tokenizer)
+            attach(net, len(tokenizer.tgt))
+        return cls(cfg, tokenizer, net, dev, backend, n_workers, members, precision, terms, short)
 
     def translate(
         self,
@@ -307,7 +316,7 @@ class Translator:
             batch_tokens=batch_tokens or self.cfg.decode.batch_tokens, device=self.device,
             workers=workers or self.workers, first_line=first_line, matmul=self.matmul,
             prefix=self.source_prefix(target_lang), target_prefix=target_prefix,
-            constraints=phrases,
+            constraints=phrases, shortlist=self.shortlist,
         )  # fmt: skip
         for results, applied in zip(found, terms, strict=True):
             for r in results:

@@ -40,21 +40,40 @@ def int8_hardware() -> bool:
 class Int8Linear(nn.Module):
     """y = x Wᵀ + b with W (N, K) stored as int8, one scale per row, and x quantized per call."""
 
-    def __init__(self, linear: nn.Linear, full_range: bool) -> None:
+    def __init__(self, q_weight: torch.Tensor, bias: torch.Tensor | None, full_range: bool) -> None:
         super().__init__()
+        self.packed = torch.ops.quantized.linear_prepack(q_weight, bias)
+        self.q_weight, self.bias = q_weight, bias  # kept for rows()
+        self.out_features, self.in_features = q_weight.shape
+        # 7-bit inputs (reduce_range) keep fbgemm's 16-bit sums from saturating without VNNI.
+        self.reduce_range = not full_range
+
+    @classmethod
+    def quantize(cls, linear: nn.Linear, full_range: bool) -> Int8Linear:
+        """linear's weight in int8, one symmetric scale per output row."""
         w = linear.weight.detach().float()  # (N, K)
         scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()  # (N,)
         zeros = torch.zeros(w.size(0), dtype=torch.long)
         q_w = torch.quantize_per_channel(w, scales, zeros, 0, torch.qint8)
         bias = None if linear.bias is None else linear.bias.detach().float()
-        self.packed = torch.ops.quantized.linear_prepack(q_w, bias)
-        self.in_features, self.out_features = w.size(1), w.size(0)
-        # 7-bit inputs (reduce_range) keep fbgemm's 16-bit sums from saturating without VNNI.
-        self.reduce_range = not full_range
+        return cls(q_w, bias, full_range)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., K) -> (..., N)."""
         return torch.ops.quantized.linear_dynamic(x, self.packed, self.reduce_range)
+
+    def rows(self, index: torch.Tensor) -> Int8Linear:
+        """The layer of output rows `index` only (a lexical shortlist's output projection): the
+        same int8 rows and scales, packed anew (about 3 ms for 1,500 x 256)."""
+        q = self.q_weight
+        q_rows = torch._make_per_channel_quantized_tensor(
+            q.int_repr().index_select(0, index),
+            q.q_per_channel_scales().index_select(0, index),
+            q.q_per_channel_zero_points().index_select(0, index),
+            0,
+        )
+        bias = None if self.bias is None else self.bias.index_select(0, index)
+        return Int8Linear(q_rows, bias, not self.reduce_range)
 
 
 class Int8GRU(torch.ao.nn.quantized.dynamic.GRU):
@@ -82,7 +101,7 @@ def _swap(module: nn.Module, full_range: bool) -> None:
     qconfig = torch.ao.quantization.default_dynamic_qconfig
     for name, child in module.named_children():
         if isinstance(child, nn.Linear) and child.out_features >= MIN_OUT_FEATURES:
-            setattr(module, name, Int8Linear(child, full_range))
+            setattr(module, name, Int8Linear.quantize(child, full_range))
         elif isinstance(child, nn.GRU):
             child.qconfig = qconfig  # type: ignore[assignment]
             quantized = dynamic.GRU.from_float(child)
