@@ -121,3 +121,11 @@ def test_errors_in_a_list_of_corpora_name_the_entry(train, expected):
         from_dict(raw)
     assert str(e.value).startswith(expected), str(e.value)
     assert "function-after" not in str(e.value) and "list[" not in str(e.value)
+
+
+def test_every_shipped_config_is_valid():
+    shipped = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+    assert len(shipped) >= 10
+    for path in shipped:
+        cfg = load_config(path)
+        assert cfg.model.arch in ("rnn", "transformer"), path

@@ -112,6 +112,26 @@ def test_translation_on_cuda_equals_cpu(tmp_path: Path, corpus, arch):
         assert same >= 0.99 * len(lines), f"beam {beam}: {same} of {len(lines)} lines equal"
 
 
+def test_an_ssru_decoder_with_a_shortlist_translates_on_cuda_as_on_cpu(tmp_path: Path, corpus):
+    from attnmt.data.tokenizer import Tokenizer
+    from attnmt.decoding.shortlist import SHORTLIST_FILE, shortlist_from_text
+
+    raw = config(corpus, max_steps=300, eval_every=300, lr=0.01, warmup_steps=20)
+    raw["model"]["decoder"] = "ssru"
+    cfg = from_dict(raw)
+    train(cfg, tmp_path / "m", quiet=True)
+    assert finite_weights(tmp_path / "m")
+    src = corpus["train_src"].read_text().splitlines()
+    tgt = corpus["train_tgt"].read_text().splitlines()
+    tokenizer = Tokenizer.load(tmp_path / "m", cfg.tokenizer.joint)
+    shortlist_from_text(tokenizer, src, tgt, 3, 2).save(tmp_path / "m" / SHORTLIST_FILE)
+    for beam in (1, 5):
+        on_cpu = Translator.load(tmp_path / "m", "cpu", shortlist=True).translate(src, beam=beam)
+        on_gpu = Translator.load(tmp_path / "m", "cuda", shortlist=True).translate(src, beam=beam)
+        same = sum(a == b for a, b in zip(on_cpu, on_gpu, strict=True))
+        assert same >= 0.99 * len(src), f"beam {beam}: {same} of {len(src)} lines equal"
+
+
 def test_cuda_graphs_train_as_the_compiled_step_does(tmp_path: Path, corpus):
     # No dropout: the padded batches of CUDA graphs draw other masks. The dev loss after the
     # same steps agrees with the compiled step's. (With accumulate 2 the second replay
