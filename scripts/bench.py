@@ -12,7 +12,7 @@
     python scripts/bench.py decode --model DIR [--model DIR ...] [--data DIR] [--runs N]
                                    [--beams 1,5] [--batch-sentences 64] [--max-len 60]
                                    [--threads 2] [--workers 1[,2]] [--precision fp32]
-                                   [--matmul auto]
+                                   [--matmul auto] [--shortlist off[,on]]
     python scripts/bench.py export (decode's options) [--compute-types float32,int8]
 
 decode: translates Multi30k test_2016_flickr (1,000 sentences, from --data, default
@@ -27,6 +27,8 @@ the share of lines whose translation differs from the fp32 model's (differs_from
 row also gives the size of the weights file (weights_mb) and the process's peak resident memory
 so far (max_rss_mb: run one model per process to read it per model).
 --matmul auto|blas|onednn picks the CPU fp32 matmul library (`attnmt translate --matmul`).
+--shortlist on decodes with the model directory's lexical shortlist (`attnmt shortlist`); the
+row gives the share of lines it changes (differs_from_off).
 
 export: decode's rows, then the same model exported to CTranslate2 (scripts/bench_export.py).
 
@@ -59,6 +61,7 @@ from bench_train import add_train_args, bench_train
 
 from attnmt.data.text import read_lines
 from attnmt.decoding.search import Beam, Greedy, SearchOptions
+from attnmt.decoding.shortlist import attach, load_shortlist
 from attnmt.decoding.translate import for_decoding, score, translate
 from attnmt.device import DECODE_PRECISIONS, MATMUL_BACKENDS
 from attnmt.kernels import matmul
@@ -91,19 +94,26 @@ def decode_models(args: argparse.Namespace, backend: str) -> None:
             cfg, tokenizer, model = load_model_dir(model_dir)
             plain = copy.deepcopy(model).to(args.device) if precision != "fp32" else None
             model = for_decoding(model, precision).to(args.device)
-            for batch_sentences, beam, workers in itertools.product(
-                args.batch_sentences, args.beams, args.workers
+            short = None
+            if "on" in args.shortlist:  # off: the wrapped projection without rows is the plain one
+                short = load_shortlist(model_dir, tokenizer)
+                attach(model, len(tokenizer.tgt))
+            for batch_sentences, beam, workers, shortlist in itertools.product(
+                args.batch_sentences, args.beams, args.workers, args.shortlist
             ):
                 # As `attnmt translate` does: no scores unless it writes n-best lists.
                 method = Greedy() if beam == 1 else Beam(beam, length_penalty=1.0)
                 options = SearchOptions(method, max_len_a=0.0, max_len_b=args.max_len, scores=False)
                 batches = {"batch_tokens": 1 << 30, "batch_sentences": batch_sentences}
                 batches |= {"device": args.device}
-                fp32 = None
+                fp32, unlisted = None, None
                 if plain is not None:
                     fp32 = translate(plain, tokenizer, src, options, **batches)
                 else:  # a first pass: CUDA's lazy start-up and kernel choices are not timed
                     translate(model, tokenizer, src[:batch_sentences], options, **batches)
+                if shortlist == "on":
+                    unlisted = translate(model, tokenizer, src, options, **batches)
+                    batches["shortlist"] = short
                 times, result = [], None
                 for _ in range(args.runs):
                     start = time.perf_counter()
@@ -142,6 +152,12 @@ def decode_models(args: argparse.Namespace, backend: str) -> None:
                     # Lines whose translation differs from the fp32 model's (same search).
                     "differs_from_fp32": None if fp32 is None else round(
                         sum(a[0].text != b for a, b in zip(fp32, hyps, strict=True)) / len(src), 4
+                    ),
+                    "shortlist": shortlist,
+                    # Lines the shortlist changes (against the same model and search without).
+                    "differs_from_off": None if unlisted is None else round(
+                        sum(a[0].text != b for a, b in zip(unlisted, hyps, strict=True))
+                        / len(src), 4,
                     ),
                     "weights_mb": round(_weights_bytes(model_dir) / 2**20, 1),
                     "max_rss_mb": round(
@@ -183,6 +199,12 @@ def add_decode_args(d: argparse.ArgumentParser) -> None:
     )
     d.add_argument(
         "--matmul", choices=list(MATMUL_BACKENDS), default="auto", help="CPU fp32 matmul library"
+    )
+    d.add_argument(
+        "--shortlist",
+        type=lambda s: s.split(","),
+        default=["off"],
+        help="off, on (the model's attnmt shortlist) or off,on",
     )
 
 
