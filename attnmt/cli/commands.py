@@ -470,7 +470,7 @@ def shortlist_command(
     ] = 100,
     max_pairs: Annotated[int, typer.Option(
         "--max-pairs", min=1, help="Sentence pairs read at most (the first ones).")
-    ] = 1_000_000,
+    ] = 200_000,
 ) -> None:  # fmt: skip
     """Estimate IBM Model 1 over the model's pieces on parallel text and save each source
     piece's K likeliest target pieces in DIR/shortlist.safetensors (translate --shortlist)."""

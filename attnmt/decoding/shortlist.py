@@ -41,7 +41,7 @@ from attnmt.errors import AttnmtError, CheckpointError
 from attnmt.kernels.int8 import Int8Linear
 
 SHORTLIST_FILE = "shortlist.safetensors"
-CHUNK_PAIRS = 20_000  # pairs per EM chunk: its (pair, i, j) links fit in a few hundred MB
+CHUNK_PAIRS = 20_000  # pairs whose links are built at once (the EM rounds visit every chunk)
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class Shortlist:
 
     def allowed(self, src: torch.Tensor, extra: Iterable[int] = ()) -> torch.Tensor:
         """The sorted target ids a batch of source ids (B, S) may output: (V',) long."""
-        ids = self.table.to(src.device)[src.clamp(max=self.table.size(0) - 1).flatten()]
+        ids = self.table.to(src.device)[src.flatten()]  # (B*S, K)
         more = torch.tensor([EOS_ID, UNK_ID, *extra], dtype=torch.long, device=src.device)
         union = torch.cat([ids.flatten(), self.frequent.to(src.device), more])
         return torch.unique(union[union >= 0])  # sorted
@@ -98,22 +98,25 @@ def build_shortlist(
     `iterations` rounds of EM from uniform, each source piece's k best target pieces, and the
     `frequent` commonest target pieces."""
     NULL = src_vocab  # the NULL source piece
-    counts = torch.zeros(tgt_vocab, dtype=torch.long)
-    for _, tgt in pairs:
-        counts += torch.bincount(torch.tensor(tgt, dtype=torch.long), minlength=tgt_vocab)
-    links = [_links(pairs[i : i + CHUNK_PAIRS], NULL) for i in range(0, len(pairs), CHUNK_PAIRS)]
-    keys = torch.unique(torch.cat([e * tgt_vocab + f for e, f, _ in links]))  # (L,) e*V + f
-    where = [torch.searchsorted(keys, e * tgt_vocab + f) for e, f, _ in links]
+    counts = torch.bincount(torch.tensor([f for _, tgt in pairs for f in tgt]), minlength=tgt_vocab)
+
+    def chunks() -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        for i in range(0, len(pairs), CHUNK_PAIRS):  # built twice rather than held at once
+            yield _links(pairs[i : i + CHUNK_PAIRS], NULL)
+
+    keys = torch.unique(torch.cat([torch.unique(e * tgt_vocab + f) for e, f, _ in chunks()]))
+    # Each link kept as (its key's index, its target position): int32, 8 bytes a link.
+    links = [(torch.searchsorted(keys, e * tgt_vocab + f).int(), g.int()) for e, f, g in chunks()]
     prob = torch.ones(keys.numel(), dtype=torch.float64)  # uniform start: t(f | e) = 1
+    source = keys // tgt_vocab  # (L,): each key's e
     for _ in range(iterations):
         expected = torch.zeros_like(prob)
-        for (_, _, group), at in zip(links, where, strict=True):
+        for at, group in links:
             t = prob[at]  # t(f_j | e_i) for every link
             z = torch.zeros(int(group.max()) + 1, dtype=prob.dtype).index_add_(0, group, t)
             expected.index_add_(0, at, t / z[group])
-        per_source = torch.zeros(src_vocab + 1, dtype=prob.dtype)
-        per_source.index_add_(0, keys // tgt_vocab, expected)
-        prob = expected / per_source[keys // tgt_vocab]
+        per_source = torch.zeros(src_vocab + 1, dtype=prob.dtype).index_add_(0, source, expected)
+        prob = expected / per_source[source]
     table = _top_k(keys, prob, src_vocab, tgt_vocab, min(k, tgt_vocab))
     return Shortlist(table, counts.topk(min(frequent, tgt_vocab)).indices, len(pairs))
 
