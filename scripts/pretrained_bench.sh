@@ -26,7 +26,7 @@ unpiece() {  # Marian's output pieces -> text
 print('\n'.join(sp.decode_pieces(l.split()) for l in open(sys.argv[2]).read().splitlines()))" "$1" "$2"
 }
 
-case "$1" in
+case "${1:-}" in
 marian)
   out=${2:-runs/marian_import} model=${3:-$RUN/models/marian_T/model.npz}
   attnmt import "$model" --out "$out" --spm "$SPM/spm8k.model" --force
