@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -360,11 +361,7 @@ def beam_search(
     limits = max_output_lengths(src_pad_mask, options)  # (B,)
     # One memory row per sentence, shared by its K beams (see attnmt.models.build).
     memory = model.encode(src, src_pad_mask)
-    beams_of = torch.arange(B, device=device).repeat_interleave(K)  # (B * K,)
-    state = model.select_state(model.init_state(memory), beams_of)  # rows: sentence-major
-    # Only the first beam starts alive, so the first step does not pick K copies of one token.
-    scores = torch.full((B, K), float("-inf"), device=device)  # (B_a, K) summed log-probs
-    scores[:, 0] = 0.0
+    state, scores = _start_beams(model, memory, B, K, device)
     tokens = torch.full((B * K, 0), model.pad_id, dtype=torch.long, device=device)  # (B_a*K, t)
     attn_hist: torch.Tensor | None = None  # (B_a*K, t, S)
     prev = torch.full((B * K,), model.bos_id, dtype=torch.long, device=device)
@@ -386,11 +383,7 @@ def beam_search(
             scores, logp, model.eos_id, K
         )  # candidates (n, M) each; finish (n, M); pick (n, K); best_eos (n,)
         best_is_eos = best_eos.tolist()
-        for r, c in finish.nonzero().tolist():
-            row = r * K + int(top_beam[r, c])
-            results.add(
-                active[r], tokens[row], float(top_scores[r, c]), t + 1, True, attn_hist, row
-            )
+        results.add_ended(active, finish, top_beam, top_scores, tokens, attn_hist, t + 1)
         new_scores = top_scores.gather(1, pick)  # (n, K)
         new_beam = top_beam.gather(1, pick)  # (n, K)
         new_tok = top_tok.gather(1, pick)  # (n, K)
@@ -426,6 +419,19 @@ def beam_search(
         else:
             state = model.select_state(state, rows)
     return results.n_best_lists()
+
+
+def _start_beams(
+    model: Seq2Seq, memory: Any, B: int, K: int, device: torch.device
+) -> tuple[Any, torch.Tensor]:
+    """The decoder state of K beams per sentence (rows sentence-major) and their scores
+    (B, K): only the first beam starts alive, so the first step does not pick K copies of one
+    token."""
+    beams_of = torch.arange(B, device=device).repeat_interleave(K)  # (B * K,)
+    state = model.select_state(model.init_state(memory), beams_of)
+    scores = torch.full((B, K), float("-inf"), device=device)  # summed log-probs
+    scores[:, 0] = 0.0
+    return state, scores
 
 
 class _ByScore:
@@ -496,6 +502,23 @@ class _Finished:
         hyp = _hypothesis(tokens, logprob, length, self.alpha, ended, attn)
         hyp.unmet = unmet
         self.hyps[sent].append(hyp)
+
+    def add_ended(
+        self,
+        active: list[int],
+        finish: torch.Tensor,
+        beam: torch.Tensor,
+        scores: torch.Tensor,
+        tokens: torch.Tensor,
+        attn_hist: torch.Tensor | None,
+        length: int,
+    ) -> None:
+        """Finish the candidates that end in EOS: finish (n, M) bool over candidates whose beams
+        and scores are beam, scores (n, M); tokens (n*K, length - 1) the beams' tokens so far."""
+        K = tokens.size(0) // len(active)
+        for r, c in finish.nonzero().tolist():
+            row = r * K + int(beam[r, c])
+            self.add(active[r], tokens[row], float(scores[r, c]), length, True, attn_hist, row)
 
     def settle(
         self,
