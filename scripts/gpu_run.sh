@@ -18,6 +18,10 @@
 # decode-t, decode-base: scripts/bench.py decode on CUDA, fp32 and bf16, greedy and beam 5,
 #             batches of 1 (first 100 / 50 sentences), 64 and 1,024 sentences;
 # ct2-probe:  whether CTranslate2's CUDA build could load there (it needs cuBLAS 12).
+# teachers:   three more Multi30k T teachers (the GPU config, seeds 1, 2, 3, trained side by side
+#             on the one GPU, with .gpu/t30's SentencePiece model), each scored on test; then
+#             the ensemble of .gpu/t30 and the three, scored and distilling train.de (beam 5,
+#             averaged weights) into $OUT/train.distilled_ens.en.
 # Logs go to $OUT (default /tmp/gpu-out).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
@@ -113,6 +117,29 @@ for stage in "$@"; do
       ls /usr/local/cuda*/lib64/libcublas.so* 2>/dev/null | head -3
       python3 -c "import ctypes; ctypes.CDLL('libcublas.so.12'); print('cuBLAS 12: found')" \
         2>&1 | tail -n 1
+      ;;
+    teachers)
+      ref=data/multi30k/test_2016_flickr.en.gz
+      src=data/multi30k/test_2016_flickr.de.gz
+      for seed in 1 2 3; do
+        attnmt train --config configs/multi30k_de_en_transformer_gpu.yaml --out "runs/gpu_t$seed" \
+          --quiet --set train.seed=$seed --set tokenizer.model=.gpu/t30/spm.model \
+          >"$OUT/train_t$seed.log" 2>&1 &
+      done
+      wait
+      members=(-m .gpu/t30)
+      for seed in 1 2 3; do
+        tail -n 2 "runs/gpu_t$seed/train.log"
+        members+=(-m "runs/gpu_t$seed")
+        attnmt eval -m "runs/gpu_t$seed" --weights averaged --beam 5 -s $src -r $ref --json \
+          | sed "s/^/teacher $seed averaged /"
+      done
+      attnmt eval "${members[@]}" --weights averaged --beam 5 -s $src -r $ref --json \
+        | sed "s/^/ensemble of 4 averaged /"
+      teachers=(${members[@]//-m/--teacher})
+      time attnmt distill "${teachers[@]}" --weights averaged -s data/multi30k/train.de.gz \
+        -o "$OUT/train.distilled_ens.en"
+      wc -l "$OUT/train.distilled_ens.en"
       ;;
     cuda-tests)
       lscpu | grep -E "Model name|^CPU\(s\)|Flags" | cut -c1-400
