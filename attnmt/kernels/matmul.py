@@ -125,17 +125,34 @@ def _dnnl(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> to
     return torch.ops.mkldnn._linear_pointwise(_dense(x), _dense(w), b, "none", [], "")
 
 
+def _copied(t: torch.Tensor) -> int:
+    """Elements oneDNN's linear copies to read t (2-D) as its input: none if t is row-major."""
+    rows, cols = t.shape
+    return (
+        0 if (t.stride(1) == 1 or cols == 1) and (t.stride(0) == cols or rows == 1) else t.numel()
+    )
+
+
 def mm(a: torch.Tensor, b: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
     """a @ b (+ add) for 2-D a (M, K), b (K, N) and add (M, N), with the backend in use; a new
-    tensor (no autograd: for use inside autograd functions and under no_grad)."""
-    if use_onednn(a, a.size(0) * a.size(1) * b.size(1)):
-        if add is None:
-            return _dnnl(a, b.t())
-        # The addition rides in the kernel as a post-op, without a pass of its own.
-        return torch.ops.mkldnn._linear_pointwise.binary(
-            _dense(a), add.contiguous(), _dense(b.t()), None, "add"
-        )
-    return a @ b if add is None else torch.addmm(add, a, b)
+    tensor, or the transpose of one (no autograd: for use inside autograd functions and under
+    no_grad).
+
+    oneDNN's linear reads its input row-major and copies any other layout first. A weight
+    gradient ∂yᵀ x has a transposed input, so where copying b is cheaper the product is
+    computed as (bᵀ aᵀ)ᵀ: e.g. the output layer's (V, c) ∂zᵀ against its (c, d) hidden rows
+    (a d × c copy instead of V × c), and the result comes back transposed.
+    """
+    if not use_onednn(a, a.size(0) * a.size(1) * b.size(1)):
+        return a @ b if add is None else torch.addmm(add, a, b)
+    if _copied(b.t()) < _copied(a):
+        return mm(b.t(), a.t(), None if add is None else add.t()).t()  # (M, N), transposed
+    if add is None:
+        return _dnnl(a, b.t())
+    # The addition rides in the kernel as a post-op, without a pass of its own.
+    return torch.ops.mkldnn._linear_pointwise.binary(
+        _dense(a), add.contiguous(), _dense(b.t()), None, "add"
+    )
 
 
 class _OneDNNLinear(torch.autograd.Function):
@@ -158,8 +175,8 @@ class _OneDNNLinear(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors  # type: ignore[attr-defined]
         need_x, need_w, need_b = ctx.needs_input_grad  # type: ignore[attr-defined]
-        grad_x = _dnnl(grad_y, weight.t()) if need_x else None  # (M, K) = ∂y W
-        grad_w = _dnnl(grad_y.t(), x.t()) if need_w else None  # (N, K) = ∂yᵀ x
+        grad_x = mm(grad_y, weight) if need_x else None  # (M, K) = ∂y W
+        grad_w = mm(grad_y.t(), x) if need_w else None  # (N, K) = ∂yᵀ x
         grad_b = grad_y.sum(dim=0) if need_b and ctx.has_bias else None  # type: ignore[attr-defined]
         return grad_x, grad_w, grad_b
 
@@ -177,7 +194,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         y = cast(torch.Tensor, _OneDNNLinear.apply(x2, weight, bias))
     else:
         y = _dnnl(x2, weight, bias)
-    return y.view(*x.shape[:-1], N)  # (..., N)
+    # 2-D rows stay a tensor of their own, not a view: relu_dropout_linear works in place on it.
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], N)  # (..., N)
 
 
 class Linear(nn.Linear):

@@ -131,10 +131,14 @@ def dropout_add(x: torch.Tensor, y: torch.Tensor, p: float, training: bool) -> t
 
 def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """scale * (a @ b) in the matmul itself (addmm's alpha; beta=0 ignores the zero input);
-    with oneDNN (attnmt.matmul), the smaller operand scaled first."""
-    if matmul.use_onednn(a, a.size(0) * a.size(1) * b.size(1)):
-        return matmul.mm(a * scale, b) if a.numel() <= b.numel() else matmul.mm(a, b * scale)
-    zeros = a.new_zeros(()).expand(a.size(0), b.size(1))
+    with oneDNN (attnmt.matmul), the smallest of a, b and the result scaled."""
+    M, N = a.size(0), b.size(1)
+    if matmul.use_onednn(a, M * a.size(1) * N):
+        smallest = min(a.numel(), b.numel(), M * N)
+        if smallest == M * N:  # a weight gradient: (d_out, d_in) against (tokens, ·) operands
+            return matmul.mm(a, b).mul_(scale)
+        return matmul.mm(a * scale, b) if smallest == a.numel() else matmul.mm(a, b * scale)
+    zeros = a.new_zeros(()).expand(M, N)
     return torch.addmm(zeros, a, b, beta=0, alpha=scale)
 
 
@@ -281,8 +285,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         d_hidden = (
             torch.empty(hidden.shape, dtype=dtype, device=hidden.device) if need_grad else None
         )
+        # oneDNN's products start the sum themselves (and leave it transposed: matmul.mm).
+        onednn = dtype == (matmul_dtype or dtype) and matmul.use_onednn(hidden, N * V)
         d_weight = (
-            torch.zeros(weight.shape, dtype=dtype, device=hidden.device) if need_grad else None
+            torch.zeros(weight.shape, dtype=dtype, device=hidden.device)
+            if need_grad and not onednn
+            else None
         )
         # Matmul operands (autocast's lower precision when it is on); the rest in fp32+.
         mm_dtype = matmul_dtype or dtype
@@ -313,13 +321,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 rows = rows.squeeze(1) - (smoothing / V) * sum_logp  # (c,)
             total += rows.sum()
             if need_grad:
-                assert d_hidden is not None and d_weight is not None
+                assert d_hidden is not None
                 g = logp.exp_()  # (c, V) softmax, in place of log p
                 g.scatter_add_(1, t, g.new_full(t.shape, -(1.0 - smoothing)))
-                if mm_dtype == dtype and matmul.use_onednn(g, g.numel() * h.size(1)):
+                if onednn:
                     d_hidden[start : start + chunk] = matmul.mm(g, w_mm)  # (c, d)
                     d_weight = matmul.mm(g.t(), h, add=d_weight)  # (V, d)
-                elif mm_dtype == dtype:
+                    continue
+                assert d_weight is not None
+                if mm_dtype == dtype:
                     torch.mm(g, w_mm, out=d_hidden[start : start + chunk])  # (c, d)
                     d_weight.addmm_(g.t(), h)  # (V, d)
                 else:

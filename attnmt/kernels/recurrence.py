@@ -456,7 +456,7 @@ class _BiGRURecurrence(torch.autograd.Function):
         # Back to positions: (B, S, 2, 3H).
         d_gi_pos = torch.stack([d_gi[:, 0], d_gi[:, 1].flip(0)], dim=2).transpose(0, 1)
         d_gi2 = d_gi_pos.reshape(B * S, 6 * H)
-        d_w_ih = _mm(d_gi2.t(), x.reshape(B * S, E), md, f32).view(2, 3 * H, E)
+        d_w_ih = _mm(d_gi2.t(), x.reshape(B * S, E), md, f32).reshape(2, 3 * H, E)
         d_x = _mm(d_gi2, w_ih.reshape(6 * H, E), md, f32).view(B, S, E)
         return (
             d_x.to(x.dtype),

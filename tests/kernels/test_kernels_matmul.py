@@ -77,6 +77,24 @@ def test_mm_with_and_without_addend(onednn):
     torch.testing.assert_close(matmul.linear(a, wide[:, 3:12]), F.linear(a, wide[:, 3:12]))
 
 
+@needs_onednn
+def test_mm_of_a_transposed_input_copies_the_smaller_operand(onednn, monkeypatch):
+    """A weight gradient ∂yᵀ x: oneDNN would copy the wide transposed ∂yᵀ, so the product is
+    taken as (xᵀ ∂y)ᵀ, copying x; equal values, the result (and a running sum) transposed."""
+    torch.manual_seed(6)
+    grad_y, x = torch.randn(40, 30), torch.randn(40, 4)  # (M, N) wide, (M, K) narrow
+    inputs: list[tuple[int, ...]] = []
+    real = matmul._dnnl
+    monkeypatch.setattr(
+        matmul, "_dnnl", lambda x, w, b=None: inputs.append(x.shape) or real(x, w, b)
+    )
+    total = matmul.mm(grad_y.t(), x)  # (N, K)
+    assert inputs == [(4, 40)]  # xᵀ is oneDNN's input (copied), ∂yᵀ its weight (read in place)
+    total = matmul.mm(grad_y.t(), x, add=total)
+    torch.testing.assert_close(total, 2 * grad_y.t() @ x)
+    assert total.shape == (30, 4) and total.t().is_contiguous()
+
+
 def test_blas_and_small_or_non_fp32_products_are_the_plain_ops(monkeypatch):
     torch.manual_seed(2)
     layer = matmul.Linear(8, 6)
@@ -132,6 +150,22 @@ def test_relu_dropout_linear_with_onednn(onednn, bias: bool):
     torch.testing.assert_close(fast, plain)
     for a, b in zip(fast_grads, plain_grads, strict=True):
         torch.testing.assert_close(a, b)
+
+
+@needs_onednn
+def test_feed_forward_keeps_its_fused_relu_dropout_with_onednn(onednn, monkeypatch):
+    """oneDNN's linear gives 2-D rows as a tensor of their own, so the feed-forward block's
+    fused ReLU-dropout (which works in place) still runs, not the plain composition."""
+    from attnmt.kernels import ops
+
+    fused: list[int] = []
+    real = ops._ReluDropoutLinear.apply
+    monkeypatch.setattr(ops._ReluDropoutLinear, "apply", lambda *a: fused.append(1) or real(*a))
+    w_1, w_2 = matmul.Linear(8, 16), matmul.Linear(16, 8)
+    x = torch.randn(2, 5, 8, requires_grad=True)  # (B, T, d)
+    y = ops.feed_forward(x, w_1, w_2, 0.2, True)
+    y.sum().backward()
+    assert y.shape == (2, 5, 8) and fused == [1] and x.grad is not None
 
 
 @needs_onednn
