@@ -12,7 +12,8 @@ gain").
     linear_cross_entropy         output projection + label-smoothed cross-entropy, chunked
     feed_forward, dropout_add    the Transformer's FFN and residual dropout, fused on CPU
     Dropout, dropout             dropout with a cheaper CPU mask (mask_threads: its threads)
-    fused_attention              scaled dot-product attention in torch's fused kernel
+    fused_attention              scaled dot-product attention in torch's fused kernel, or
+                                 head by head (training on CPU with attention dropout)
     gru_attention_recurrence     the rnn decoder's recurrence (BPTT by hand), teacher-forced
                                  or choosing scheduled sampling's inputs as it runs
     bigru_recurrence             the rnn encoder's one-layer bidirectional GRU

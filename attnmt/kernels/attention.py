@@ -1,8 +1,12 @@
-"""Scaled dot-product attention in torch's fused kernel (flash / memory-efficient / C++), where
-it is the faster way to compute attnmt.models.attention's equations.
+"""Scaled dot-product attention in torch's fused kernel (flash / memory-efficient / C++), or,
+training on a CPU with attention dropout, head by head (_HeadwiseAttention), where either is
+the faster way to compute attnmt.models.attention's equations.
 
-Why not always: the fused kernel returns no weights, and on CPU it draws its dropout mask with
-the slow `bernoulli_`, where the plain equations with kernels.ops.dropout are faster.
+Why not always the fused kernel: it returns no weights, and on CPU it draws its dropout mask
+with the slow `bernoulli_`. Why head by head there: the heads of (B, T, h, d) projections are
+(B, h, T, d) views whose (B, h) cannot merge into one batch axis, so a batched matmul over them
+copies q, k, v and the output first, and its backward as many again; one head's (B, T, d) view
+is a plain strided batch that bmm reads in place.
 
 On a GPU, cuDNN's attention is left out of torch's choice: it builds an execution plan for
 every new shape (13 ms of host time a call on an H100, measured), and training batches come in
@@ -12,10 +16,13 @@ hundreds of shapes; flash and memory-efficient attention have no such cost.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from attnmt.kernels.ops import dropout_scale
 
 # The kernels torch may pick from on a GPU (module docstring): not cuDNN's.
 GPU_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -29,8 +36,9 @@ def fused_attention(
     causal: bool,
     dropout_p: float,
 ) -> torch.Tensor | None:
-    """softmax(q kᵀ / sqrt(d) + mask (+ causal mask)) v by F.scaled_dot_product_attention, or
-    None where the plain equations are faster (dropout on CPU).
+    """softmax(q kᵀ / sqrt(d) + mask (+ causal mask)) v by F.scaled_dot_product_attention or,
+    with dropout on CPU in fp32, head by head; None where the plain equations are faster
+    (dropout on CPU under autocast or torch.compile, or without a gradient to take).
 
     Args:
         q: (B, h, T_q, d); k: (B, h, T_k, d); v: (B, h, T_k, d_v).
@@ -40,16 +48,103 @@ def fused_attention(
         (B, h, T_q, d_v), or None.
     """
     if dropout_p > 0.0 and q.device.type == "cpu":
-        return None
+        headwise = (
+            q.dtype == k.dtype == v.dtype == torch.float32
+            and torch.is_grad_enabled()
+            and not torch.is_autocast_enabled("cpu")
+            and not torch.compiler.is_compiling()
+        )
+        if not headwise:
+            return None
+        if causal:
+            mask = _with_causal(mask, q.size(-2), k.size(-2), q)
+        out = _HeadwiseAttention.apply(q, k, v, mask, dropout_p)
+        return out  # type: ignore[no-any-return]
     if causal and mask is not None:
         # The kernel's is_causal flag cannot be combined with a mask: add the causal one.
-        T_q, T_k = q.size(-2), k.size(-2)
-        future = torch.ones(T_q, T_k, dtype=torch.bool, device=q.device).triu(1)  # (T_q, T_k)
-        causal_mask = torch.zeros(T_q, T_k, dtype=mask.dtype, device=q.device)
-        mask = mask + causal_mask.masked_fill(future, float("-inf"))  # (B, h|1, T_q, T_k)
-        causal = False
+        mask, causal = _with_causal(mask, q.size(-2), k.size(-2), q), False
     backends = sdpa_kernel(GPU_BACKENDS) if q.is_cuda else contextlib.nullcontext()
     with backends:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal
         )  # (B, h, T_q, d_v)
+
+
+def _with_causal(mask: torch.Tensor | None, T_q: int, T_k: int, like: torch.Tensor) -> torch.Tensor:
+    """mask (or none) plus the causal mask: -inf where key t' > query t. (B|1, h|1, T_q, T_k)."""
+    dtype = like.dtype if mask is None else mask.dtype
+    future = torch.ones(T_q, T_k, dtype=torch.bool, device=like.device).triu(1)  # (T_q, T_k)
+    causal = torch.zeros(T_q, T_k, dtype=dtype, device=like.device)
+    causal = causal.masked_fill(future, float("-inf"))
+    return causal if mask is None else mask + causal
+
+
+class _HeadwiseAttention(torch.autograd.Function):
+    """out = (softmax(q kᵀ / √d + mask) ⊙ keep) v per head (Vaswani et al. eq. 1, with
+    nn.MultiheadAttention's dropout on the weights), forward and backward one head at a time.
+
+    q (B, h, T_q, d), k, v (B, h, T_k, d): views of (B, T, h, d) projections; each head's (B, T,
+    d) slice goes to bmm as it is. Scores, weights and their gradients live as (h, B, T_q, T_k),
+    one contiguous block per head. The dropout mask is drawn for (B, h, T_q, T_k), the plain
+    equations' shape, so both draw the same mask from the same seed. Backward, with
+    s = q kᵀ / √d + mask, w = softmax(s) and w̃ = w ⊙ keep:
+        ∂v = w̃ᵀ ∂out,   ∂w = (∂out vᵀ) ⊙ keep,   ∂s = w ⊙ (∂w - Σ_k ∂w ⊙ w)  (softmax's),
+        ∂q = ∂s k / √d,   ∂k = ∂sᵀ q / √d.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        p: float,
+    ) -> torch.Tensor:
+        B, h, T_q, d = q.shape
+        T_k = k.size(2)
+        scores = q.new_empty(h, B, T_q, T_k)
+        for i in range(h):
+            torch.bmm(q[:, i], k[:, i].transpose(1, 2), out=scores[i])  # (B, T_q, T_k)
+        scores.mul_(1.0 / math.sqrt(d))
+        if mask is not None:
+            mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # 4-D
+            scores.add_(mask.transpose(0, 1))  # (h|1, B|1, T_q|1, T_k)
+        weights = torch.softmax(scores, dim=-1)  # (h, B, T_q, T_k)
+        keep = dropout_scale((B, h, T_q, T_k), p).transpose(0, 1)  # (h, B, T_q, T_k) view
+        dropped = torch.mul(weights, keep, out=scores)  # w̃, in place of the scores
+        out = q.new_empty(h, B, T_q, v.size(-1))
+        for i in range(h):
+            torch.bmm(dropped[i], v[:, i], out=out[i])  # (B, T_q, d_v)
+        ctx.save_for_backward(q, k, v, weights, keep)
+        # (B, T_q, h, d_v) in memory, as the output projection reads it; (B, h, T_q, d_v) view.
+        return out.permute(1, 2, 0, 3).contiguous().transpose(1, 2)
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, weights, keep = ctx.saved_tensors  # type: ignore[attr-defined]
+        h, scale = q.size(1), 1.0 / math.sqrt(q.size(-1))
+        if grad_out.stride(-1) != 1:
+            grad_out = grad_out.contiguous()
+        grad_w = torch.empty_like(weights)  # (h, B, T_q, T_k)
+        grad_v = v.new_empty(h, *v.shape[:1], *v.shape[2:])  # (h, B, T_k, d_v)
+        dropped = weights * keep  # (h, B, T_q, T_k)
+        for i in range(h):
+            g = grad_out[:, i]  # (B, T_q, d_v)
+            torch.bmm(g, v[:, i].transpose(1, 2), out=grad_w[i])  # ∂w̃ (B, T_q, T_k)
+            torch.bmm(dropped[i].transpose(1, 2), g, out=grad_v[i])  # (B, T_k, d_v)
+        grad_w.mul_(keep)
+        grad_s = torch._softmax_backward_data(grad_w, weights, -1, weights.dtype)
+        grad_s.mul_(scale)  # (h, B, T_q, T_k)
+        grad_q = q.new_empty(h, *q.shape[:1], *q.shape[2:])  # (h, B, T_q, d)
+        grad_k = k.new_empty(h, *k.shape[:1], *k.shape[2:])  # (h, B, T_k, d)
+        for i in range(h):
+            torch.bmm(grad_s[i], k[:, i], out=grad_q[i])
+            torch.bmm(grad_s[i].transpose(1, 2), q[:, i], out=grad_k[i])
+        heads_second = (1, 0, 2, 3)  # (h, B, T, d) -> (B, h, T, d)
+        return (
+            grad_q.permute(heads_second), grad_k.permute(heads_second),
+            grad_v.permute(heads_second), None, None,
+        )  # fmt: skip

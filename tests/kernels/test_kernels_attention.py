@@ -1,0 +1,53 @@
+"""attnmt.kernels.attention: attention with dropout on CPU, head by head, equals the plain
+equations (attnmt.models.attention.scaled_dot_product) with the same dropout mask."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnmt.kernels import fused_attention
+from attnmt.models.attention import additive_mask, causal_mask, scaled_dot_product
+
+
+def heads(B: int, T: int, h: int, d: int) -> torch.Tensor:
+    """(B, h, T, d) view of a (B, T, h, d) projection, as MultiHeadAttention.split_heads gives."""
+    return torch.randn(B, T, h * d).view(B, T, h, d).transpose(1, 2).requires_grad_()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_headwise_attention_equals_the_plain_equations(causal: bool):
+    torch.manual_seed(0)
+    B, h, T_q, T_k, d = 3, 4, 5, 5 if causal else 7, 8
+    q, k, v = heads(B, T_q, h, d), heads(B, T_k, h, d), heads(B, T_k, h, d)
+    pad = torch.zeros(B, T_k, dtype=torch.bool)
+    pad[1, -2:] = True
+    mask = additive_mask(pad, None, torch.float32)  # (B, 1, 1, T_k)
+    torch.manual_seed(1)
+    out = fused_attention(q, k, v, mask, causal, 0.3)
+    assert out is not None and out.shape == (B, h, T_q, d)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    plain_mask = mask
+    if causal:
+        plain_mask = mask + additive_mask(None, causal_mask(T_q), torch.float32)
+    torch.manual_seed(1)  # the same dropout mask
+    ref, _ = scaled_dot_product(q, k, v, plain_mask, 0.3)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), g)
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b)
+    # Dropout happened (some weights zeroed), and the output is laid out as (B, T_q, h, d).
+    assert not torch.allclose(out, scaled_dot_product(q, k, v, plain_mask, 0.0)[0])
+    assert out.transpose(1, 2).is_contiguous()
+
+
+def test_headwise_attention_only_where_it_is_the_faster_form():
+    torch.manual_seed(2)
+    q = k = v = heads(2, 3, 2, 4)
+    with torch.no_grad():  # nothing to differentiate: the plain equations
+        assert fused_attention(q, k, v, None, False, 0.1) is None
+    assert fused_attention(q.double(), k.double(), v.double(), None, False, 0.1) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fused_attention(q, k, v, None, False, 0.1) is None
+    assert fused_attention(q, k, v, None, False, 0.1) is not None
