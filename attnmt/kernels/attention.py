@@ -48,21 +48,25 @@ def fused_attention(
         (B, h, T_q, d_v), or None.
     """
     if dropout_p > 0.0 and q.device.type == "cpu":
+        # fp32, or bf16 under CPU autocast (the projections' outputs): the weights in fp32.
+        autocast = torch.is_autocast_enabled("cpu")
+        dtype = torch.get_autocast_dtype("cpu") if autocast else torch.float32
         headwise = (
-            q.dtype == k.dtype == v.dtype == torch.float32
+            q.dtype == k.dtype == v.dtype == dtype
+            and dtype in (torch.float32, torch.bfloat16)
             and torch.is_grad_enabled()
-            and not torch.is_autocast_enabled("cpu")
             and not torch.compiler.is_compiling()
         )
         if not headwise:
             return None
         if causal:
-            mask = _with_causal(mask, q.size(-2), k.size(-2), q)
-        out = _HeadwiseAttention.apply(q, k, v, mask, dropout_p)
+            mask = _with_causal(mask, q.size(-2), k.size(-2), q.device)
+        with torch.autocast("cpu", enabled=False):  # the casts are the function's own
+            out = _HeadwiseAttention.apply(q, k, v, mask, dropout_p)
         return out  # type: ignore[no-any-return]
     if causal and mask is not None:
         # The kernel's is_causal flag cannot be combined with a mask: add the causal one.
-        mask, causal = _with_causal(mask, q.size(-2), k.size(-2), q), False
+        mask, causal = _with_causal(mask, q.size(-2), k.size(-2), q.device), False
     backends = sdpa_kernel(GPU_BACKENDS) if q.is_cuda else contextlib.nullcontext()
     with backends:
         return F.scaled_dot_product_attention(
@@ -70,11 +74,14 @@ def fused_attention(
         )  # (B, h, T_q, d_v)
 
 
-def _with_causal(mask: torch.Tensor | None, T_q: int, T_k: int, like: torch.Tensor) -> torch.Tensor:
-    """mask (or none) plus the causal mask: -inf where key t' > query t. (B|1, h|1, T_q, T_k)."""
-    dtype = like.dtype if mask is None else mask.dtype
-    future = torch.ones(T_q, T_k, dtype=torch.bool, device=like.device).triu(1)  # (T_q, T_k)
-    causal = torch.zeros(T_q, T_k, dtype=dtype, device=like.device)
+def _with_causal(
+    mask: torch.Tensor | None, T_q: int, T_k: int, device: torch.device
+) -> torch.Tensor:
+    """mask (or none: fp32) plus the causal mask, -inf where key t' > query t:
+    (B|1, h|1, T_q, T_k)."""
+    dtype = torch.float32 if mask is None else mask.dtype
+    future = torch.ones(T_q, T_k, dtype=torch.bool, device=device).triu(1)  # (T_q, T_k)
+    causal = torch.zeros(T_q, T_k, dtype=dtype, device=device)
     causal = causal.masked_fill(future, float("-inf"))
     return causal if mask is None else mask + causal
 
@@ -82,6 +89,8 @@ def _with_causal(mask: torch.Tensor | None, T_q: int, T_k: int, like: torch.Tens
 class _HeadwiseAttention(torch.autograd.Function):
     """out = (softmax(q kᵀ / √d + mask) ⊙ keep) v per head (Vaswani et al. eq. 1, with
     nn.MultiheadAttention's dropout on the weights), forward and backward one head at a time.
+    q, k, v in fp32 or bf16 (the products in their dtype, as autocast runs them); the scores,
+    weights and their gradients in fp32.
 
     q (B, h, T_q, d), k, v (B, h, T_k, d): views of (B, T, h, d) projections; each head's (B, T,
     d) slice goes to bmm as it is. Scores, weights and their gradients live as (h, B, T_q, T_k),
@@ -103,17 +112,17 @@ class _HeadwiseAttention(torch.autograd.Function):
     ) -> torch.Tensor:
         B, h, T_q, d = q.shape
         T_k = k.size(2)
-        scores = q.new_empty(h, B, T_q, T_k)
+        scores = q.new_empty(h, B, T_q, T_k)  # in q's dtype: fp32, or bf16 (then cast)
         for i in range(h):
             torch.bmm(q[:, i], k[:, i].transpose(1, 2), out=scores[i])  # (B, T_q, T_k)
-        scores.mul_(1.0 / math.sqrt(d))
+        scores = scores.float().mul_(1.0 / math.sqrt(d))  # no copy in fp32
         if mask is not None:
             mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # 4-D
             scores.add_(mask.transpose(0, 1))  # (h|1, B|1, T_q|1, T_k)
-        weights = torch.softmax(scores, dim=-1)  # (h, B, T_q, T_k)
+        weights = torch.softmax(scores, dim=-1)  # (h, B, T_q, T_k), fp32
         keep = dropout_scale((B, h, T_q, T_k), p).transpose(0, 1)  # (h, B, T_q, T_k) view
-        dropped = torch.mul(weights, keep, out=scores)  # w̃, in place of the scores
-        out = q.new_empty(h, B, T_q, v.size(-1))
+        dropped = torch.mul(weights, keep, out=scores).to(v.dtype)  # w̃, over the scores
+        out = v.new_empty(h, B, T_q, v.size(-1))
         for i in range(h):
             torch.bmm(dropped[i], v[:, i], out=out[i])  # (B, T_q, d_v)
         ctx.save_for_backward(q, k, v, weights, keep)
@@ -128,16 +137,16 @@ class _HeadwiseAttention(torch.autograd.Function):
         h, scale = q.size(1), 1.0 / math.sqrt(q.size(-1))
         if grad_out.stride(-1) != 1:
             grad_out = grad_out.contiguous()
-        grad_w = torch.empty_like(weights)  # (h, B, T_q, T_k)
+        grad_w = torch.empty_like(weights, dtype=v.dtype)  # (h, B, T_q, T_k)
         grad_v = v.new_empty(h, *v.shape[:1], *v.shape[2:])  # (h, B, T_k, d_v)
-        dropped = weights * keep  # (h, B, T_q, T_k)
+        dropped = (weights * keep).to(v.dtype)  # (h, B, T_q, T_k)
         for i in range(h):
             g = grad_out[:, i]  # (B, T_q, d_v)
             torch.bmm(g, v[:, i].transpose(1, 2), out=grad_w[i])  # ∂w̃ (B, T_q, T_k)
             torch.bmm(dropped[i].transpose(1, 2), g, out=grad_v[i])  # (B, T_k, d_v)
-        grad_w.mul_(keep)
+        grad_w = grad_w.float().mul_(keep)  # fp32 from here (no copy in fp32)
         grad_s = torch._softmax_backward_data(grad_w, weights, -1, weights.dtype)
-        grad_s.mul_(scale)  # (h, B, T_q, T_k)
+        grad_s = grad_s.mul_(scale).to(q.dtype)  # (h, B, T_q, T_k)
         grad_q = q.new_empty(h, *q.shape[:1], *q.shape[2:])  # (h, B, T_q, d)
         grad_k = k.new_empty(h, *k.shape[:1], *k.shape[2:])  # (h, B, T_k, d)
         for i in range(h):

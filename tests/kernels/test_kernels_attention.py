@@ -48,6 +48,27 @@ def test_headwise_attention_only_where_it_is_the_faster_form():
     with torch.no_grad():  # nothing to differentiate: the plain equations
         assert fused_attention(q, k, v, None, False, 0.1) is None
     assert fused_attention(q.double(), k.double(), v.double(), None, False, 0.1) is None
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # fp32 heads under bf16 autocast
         assert fused_attention(q, k, v, None, False, 0.1) is None
     assert fused_attention(q, k, v, None, False, 0.1) is not None
+
+
+def test_headwise_attention_under_bf16_autocast_matches_the_plain_equations():
+    """bf16 heads (what autocast's projections give): products in bf16, weights in fp32."""
+    torch.manual_seed(3)
+    B, h, T, d = 2, 4, 6, 8
+    q, k, v = (heads(B, T, h, d).detach().bfloat16().requires_grad_() for _ in range(3))
+    mask = additive_mask(None, causal_mask(T), torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.manual_seed(4)
+        out = fused_attention(q, k, v, None, True, 0.2)
+        assert out is not None and out.dtype == torch.bfloat16
+        torch.manual_seed(4)
+        ref, _ = scaled_dot_product(q, k, v, mask, 0.2)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), g)
+    torch.testing.assert_close(out, ref.to(out.dtype), atol=2e-2, rtol=2e-2)
+    for a, b in zip(grads, ref_grads, strict=True):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a, b.to(a.dtype), atol=3e-2, rtol=3e-2)
