@@ -37,8 +37,9 @@ def fused_attention(
     dropout_p: float,
 ) -> torch.Tensor | None:
     """softmax(q kᵀ / sqrt(d) + mask (+ causal mask)) v by F.scaled_dot_product_attention or,
-    with dropout on CPU in fp32, head by head; None where the plain equations are faster
-    (dropout on CPU under autocast or torch.compile, or without a gradient to take).
+    with dropout on CPU (fp32, or bf16 under autocast), head by head; None where the plain
+    equations are faster (dropout on CPU in other dtypes, under torch.compile, or without a
+    gradient to take).
 
     Args:
         q: (B, h, T_q, d); k: (B, h, T_k, d); v: (B, h, T_k, d_v).

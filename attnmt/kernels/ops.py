@@ -278,7 +278,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         chunk: int,
         matmul_dtype: torch.dtype | None,
     ) -> torch.Tensor:
-        N, V = hidden.size(0), weight.size(0)
+        N, V, d = hidden.size(0), weight.size(0), hidden.size(1)
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]  # type: ignore[attr-defined]
         dtype = torch.promote_types(hidden.dtype, torch.float32)  # softmax and sums in fp32+
         total = torch.zeros((), dtype=dtype, device=hidden.device)
@@ -286,7 +286,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             torch.empty(hidden.shape, dtype=dtype, device=hidden.device) if need_grad else None
         )
         # oneDNN's products start the sum themselves (and leave it transposed: matmul.mm).
-        onednn = dtype == (matmul_dtype or dtype) and matmul.use_onednn(hidden, N * V)
+        onednn = dtype == (matmul_dtype or dtype) and matmul.use_onednn(hidden, N * V * d)
         d_weight = (
             torch.zeros(weight.shape, dtype=dtype, device=hidden.device)
             if need_grad and not onednn
