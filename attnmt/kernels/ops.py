@@ -299,6 +299,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # One (chunk, V) buffer serves every chunk's logits, log-probabilities and softmax, in
         # place: a fresh tensor per chunk and pass was slower (its pages were new each time).
         buffer = hidden.new_empty((min(chunk, N), V), dtype=dtype)  # (chunk, V)
+        # bf16/fp16 matmuls: their (chunk, V) logits and then the softmax gradient in one buffer
+        # of the matmul dtype, and the (V, d) product for ∂W in another (new pages cost more
+        # than the products' casts).
+        low = mm_dtype != dtype
+        mm_buffer = hidden.new_empty(buffer.shape, dtype=mm_dtype) if low else None
+        dw_buffer = weight.new_empty(weight.shape, dtype=mm_dtype) if low and need_grad else None
         for start in range(0, N, chunk):
             h = h_mm[start : start + chunk]  # (c, d)
             t = target[start : start + chunk, None]  # (c, 1)
@@ -308,7 +314,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             elif mm_dtype == dtype:
                 torch.mm(h, w_mm.t(), out=z)
             else:
-                z.copy_(h @ w_mm.t())
+                assert mm_buffer is not None
+                z.copy_(torch.mm(h, w_mm.t(), out=mm_buffer[: h.size(0)]))
             z_t = z.gather(1, t)  # (c, 1)
             # In place: the kernel reduces a row (max, log-sum-exp) before it writes it, and
             # writes each element from its own input (checked on CPU; not yet run on CUDA).
@@ -333,9 +340,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     torch.mm(g, w_mm, out=d_hidden[start : start + chunk])  # (c, d)
                     d_weight.addmm_(g.t(), h)  # (V, d)
                 else:
-                    g_mm = g.to(mm_dtype)
+                    assert mm_buffer is not None and dw_buffer is not None
+                    g_mm = mm_buffer[: h.size(0)].copy_(g)  # (c, V), over the logits
                     d_hidden[start : start + chunk] = g_mm @ w_mm  # (c, d)
-                    d_weight += g_mm.t() @ h  # (V, d)
+                    d_weight += torch.mm(g_mm.t(), h, out=dw_buffer)  # (V, d)
         if need_grad and smoothing > 0.0:
             assert d_hidden is not None and d_weight is not None
             d_hidden.sub_(w_sum, alpha=smoothing / V)  # every row: -ε/V Σ_v W_v
