@@ -309,13 +309,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             h = h_mm[start : start + chunk]  # (c, d)
             t = target[start : start + chunk, None]  # (c, 1)
             z = buffer[: h.size(0)]  # (c, V)
-            if mm_dtype == dtype and matmul.use_onednn(h, h.numel() * V):
-                z.copy_(matmul.mm(h, w_mm.t()))
-            elif mm_dtype == dtype:
-                torch.mm(h, w_mm.t(), out=z)
-            else:
-                assert mm_buffer is not None
-                z.copy_(torch.mm(h, w_mm.t(), out=mm_buffer[: h.size(0)]))
+            _logits_into(z, h, w_mm, mm_buffer)
             z_t = z.gather(1, t)  # (c, 1)
             # In place: the kernel reduces a row (max, log-sum-exp) before it writes it, and
             # writes each element from its own input (checked on CPU; not yet run on CUDA).
@@ -360,6 +354,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         d_hidden, d_weight = ctx.saved_tensors  # type: ignore[attr-defined]
         return d_hidden * grad_out, d_weight * grad_out, None, None, None, None
+
+
+def _logits_into(
+    z: torch.Tensor, h: torch.Tensor, w: torch.Tensor, low: torch.Tensor | None
+) -> None:
+    """z (c, V) ← h (c, d) @ wᵀ: by oneDNN or the BLAS in fp32, or in the matmul dtype of h and
+    w through `low` (a (chunk, V) buffer of that dtype), then cast into z."""
+    if low is not None:
+        z.copy_(torch.mm(h, w.t(), out=low[: h.size(0)]))
+    elif matmul.use_onednn(h, h.numel() * w.size(0)):
+        z.copy_(matmul.mm(h, w.t()))
+    else:
+        torch.mm(h, w.t(), out=z)
 
 
 def linear_cross_entropy(
