@@ -28,6 +28,7 @@ from attnmt.device import resolve_device
 from attnmt.kernels import mask_threads, matmul_backend
 from attnmt.training import checkpoints, distributed, runlog, step
 from attnmt.training import setup as setup_mod
+from attnmt.training.loop import training_matmul
 
 
 def main() -> int:
@@ -47,12 +48,10 @@ def main() -> int:
         out = work / "model"
         checkpoints.prepare_output_dir(out, overwrite=False, resume=False)
         log = runlog.RunLog(out, quiet=True)
-        # The matmul library `attnmt train` uses (training/loop.py): oneDNN where `auto` picks it.
-        backend = stack.enter_context(
-            matmul_backend(cfg.train.matmul if device.type == "cpu" else "blas")
-        )
+        # The matmul library and dropout-mask threads `attnmt train` uses (training/loop.py).
+        backend = stack.enter_context(matmul_backend(training_matmul(cfg, device)))
         print(f"{name}: fp32 matmuls by {backend}")
-        stack.enter_context(mask_threads(torch.get_num_threads()))  # as training/loop.py
+        stack.enter_context(mask_threads(torch.get_num_threads()))
         run = setup_mod.setup(cfg, out, False, distributed.Ranks(), device, log)
         batches = iter(run.sampler.epoch(1))
 

@@ -135,11 +135,12 @@ class _HeadwiseAttention(torch.autograd.Function):
         ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         q, k, v, weights, keep = ctx.saved_tensors  # type: ignore[attr-defined]
-        h, scale = q.size(1), 1.0 / math.sqrt(q.size(-1))
+        B, h, T_q, d = q.shape
+        T_k, scale = k.size(2), 1.0 / math.sqrt(d)
         if grad_out.stride(-1) != 1:
             grad_out = grad_out.contiguous()
         grad_w = torch.empty_like(weights, dtype=v.dtype)  # (h, B, T_q, T_k)
-        grad_v = v.new_empty(h, *v.shape[:1], *v.shape[2:])  # (h, B, T_k, d_v)
+        grad_v = v.new_empty(h, B, T_k, v.size(-1))  # (h, B, T_k, d_v)
         dropped = (weights * keep).to(v.dtype)  # (h, B, T_q, T_k)
         for i in range(h):
             g = grad_out[:, i]  # (B, T_q, d_v)
@@ -148,8 +149,8 @@ class _HeadwiseAttention(torch.autograd.Function):
         grad_w = grad_w.float().mul_(keep)  # fp32 from here (no copy in fp32)
         grad_s = torch._softmax_backward_data(grad_w, weights, -1, weights.dtype)
         grad_s = grad_s.mul_(scale).to(q.dtype)  # (h, B, T_q, T_k)
-        grad_q = q.new_empty(h, *q.shape[:1], *q.shape[2:])  # (h, B, T_q, d)
-        grad_k = k.new_empty(h, *k.shape[:1], *k.shape[2:])  # (h, B, T_k, d)
+        grad_q = q.new_empty(h, B, T_q, d)
+        grad_k = k.new_empty(h, B, T_k, d)
         for i in range(h):
             torch.bmm(grad_s[i], k[:, i], out=grad_q[i])
             torch.bmm(grad_s[i].transpose(1, 2), q[:, i], out=grad_k[i])

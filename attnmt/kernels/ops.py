@@ -309,7 +309,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             h = h_mm[start : start + chunk]  # (c, d)
             t = target[start : start + chunk, None]  # (c, 1)
             z = buffer[: h.size(0)]  # (c, V)
-            _logits_into(z, h, w_mm, mm_buffer)
+            _logits_into(z, h, w_mm, onednn, mm_buffer)
             z_t = z.gather(1, t)  # (c, 1)
             # In place: the kernel reduces a row (max, log-sum-exp) before it writes it, and
             # writes each element from its own input (checked on CPU; not yet run on CUDA).
@@ -325,19 +325,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 assert d_hidden is not None
                 g = logp.exp_()  # (c, V) softmax, in place of log p
                 g.scatter_add_(1, t, g.new_full(t.shape, -(1.0 - smoothing)))
-                if onednn:
-                    d_hidden[start : start + chunk] = matmul.mm(g, w_mm)  # (c, d)
-                    d_weight = matmul.mm(g.t(), h, add=d_weight)  # (V, d)
-                    continue
-                assert d_weight is not None
-                if mm_dtype == dtype:
-                    torch.mm(g, w_mm, out=d_hidden[start : start + chunk])  # (c, d)
-                    d_weight.addmm_(g.t(), h)  # (V, d)
-                else:
-                    assert mm_buffer is not None and dw_buffer is not None
-                    g_mm = mm_buffer[: h.size(0)].copy_(g)  # (c, V), over the logits
-                    d_hidden[start : start + chunk] = g_mm @ w_mm  # (c, d)
-                    d_weight += torch.mm(g_mm.t(), h, out=dw_buffer)  # (V, d)
+                d_rows = d_hidden[start : start + chunk]  # (c, d)
+                d_weight = _grads_into(d_rows, d_weight, g, h, w_mm, onednn, mm_buffer, dw_buffer)
         if need_grad and smoothing > 0.0:
             assert d_hidden is not None and d_weight is not None
             d_hidden.sub_(w_sum, alpha=smoothing / V)  # every row: -ε/V Σ_v W_v
@@ -357,16 +346,42 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def _logits_into(
-    z: torch.Tensor, h: torch.Tensor, w: torch.Tensor, low: torch.Tensor | None
+    z: torch.Tensor, h: torch.Tensor, w: torch.Tensor, onednn: bool, low: torch.Tensor | None
 ) -> None:
     """z (c, V) ← h (c, d) @ wᵀ: by oneDNN or the BLAS in fp32, or in the matmul dtype of h and
     w through `low` (a (chunk, V) buffer of that dtype), then cast into z."""
     if low is not None:
         z.copy_(torch.mm(h, w.t(), out=low[: h.size(0)]))
-    elif matmul.use_onednn(h, h.numel() * w.size(0)):
+    elif onednn:
         z.copy_(matmul.mm(h, w.t()))
     else:
         torch.mm(h, w.t(), out=z)
+
+
+def _grads_into(
+    d_rows: torch.Tensor,
+    d_weight: torch.Tensor | None,
+    g: torch.Tensor,
+    h: torch.Tensor,
+    w: torch.Tensor,
+    onednn: bool,
+    low: torch.Tensor | None,
+    dw_low: torch.Tensor | None,
+) -> torch.Tensor:
+    """A chunk's gradients from g = ∂loss/∂z (c, V): d_rows (c, d) ← g w, and d_weight (V, d)
+    += gᵀ h, which is returned (oneDNN starts the sum from None and keeps it transposed,
+    matmul.mm; in the matmul dtype g goes through `low` and gᵀ h through `dw_low`)."""
+    if onednn:
+        d_rows.copy_(matmul.mm(g, w))
+        return matmul.mm(g.t(), h, add=d_weight)
+    assert d_weight is not None
+    if low is None:
+        torch.mm(g, w, out=d_rows)
+        return d_weight.addmm_(g.t(), h)
+    assert dw_low is not None
+    g_low = low[: h.size(0)].copy_(g)  # (c, V), over the logits
+    d_rows.copy_(g_low @ w)
+    return d_weight.add_(torch.mm(g_low.t(), h, out=dw_low))
 
 
 def linear_cross_entropy(

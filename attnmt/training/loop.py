@@ -42,6 +42,12 @@ from attnmt.training.step import (
 from attnmt.training.validation import average_at_end, interrupt, test_with, validate
 
 
+def training_matmul(cfg: Config, device: torch.device) -> str:
+    """The fp32 matmul library a run trains with: train.matmul on a CPU, the BLAS elsewhere
+    (oneDNN's linear is a CPU path). Profilers and benchmarks open the same one."""
+    return cfg.train.matmul if device.type == "cpu" else "blas"
+
+
 def train(
     cfg: Config, out: Path, overwrite: bool = False, resume: bool = False, quiet: bool = False
 ) -> dict[str, Any]:
@@ -64,7 +70,7 @@ def train(
             device = distributed.init(ranks, device)
             ranks.barrier()  # the model directory exists before any rank reads or writes it
         log = RunLog(out, quiet, enabled=ranks.is_main)
-        backend = cfg.train.matmul if device.type == "cpu" else "blas"
+        backend = training_matmul(cfg, device)
         summary = None
         try:
             with matmul_backend(backend):
