@@ -21,10 +21,10 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from attnmt.apps.export import export_ctranslate2
 from attnmt.data.text import read_lines
 from attnmt.data.tokenizer import Tokenizer
 from attnmt.decoding.translate import score
+from attnmt.interop.ctranslate2 import export_ctranslate2
 from attnmt.models.directory import read_run_files
 
 

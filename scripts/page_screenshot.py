@@ -17,7 +17,7 @@ from test_page import CHROMIUM, DRIVER, png_size, translate_on_the_page
 from test_serve import start_server
 
 from attnmt import Translator
-from attnmt.apps.serve import Limits
+from attnmt.serve.schema import Limits
 
 
 def main() -> int:

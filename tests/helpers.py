@@ -26,8 +26,8 @@ from attnmt.models.seq2seq import Seq2Seq
 from conftest import default_sigint, tiny_config, write_config
 
 if TYPE_CHECKING:
-    from attnmt.apps.serve import Limits
     from attnmt.decoding.translator import Translator
+    from attnmt.serve.schema import Limits
 
 V = 23
 
@@ -115,7 +115,7 @@ def start_server(
     """create_app on a uvicorn server in a thread on a loopback port; yields its URL."""
     import uvicorn
 
-    from attnmt.apps.serve import create_app
+    from attnmt.serve.app import create_app
 
     app = create_app(translator, limits, name, access_log)
     config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")

@@ -12,7 +12,6 @@ import sentencepiece as spm
 import torch
 
 from attnmt import Translator
-from attnmt.apps.plot import read_curves
 from attnmt.config import from_dict, parse_duration
 from attnmt.data.text import read_split_text
 from attnmt.data.tokenizer import Tokenizer
@@ -20,6 +19,7 @@ from attnmt.decoding.translate import score
 from attnmt.errors import ConfigError
 from attnmt.models.directory import load_model_dir
 from attnmt.training.loop import train
+from attnmt.training.plot import read_curves
 from attnmt.training.prepare import encode_split
 from attnmt.training.schedules import budget_lr, budget_warmup
 from attnmt.training.scoring import dev_loss

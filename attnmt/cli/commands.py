@@ -147,9 +147,9 @@ def translate(
     """Translate text, one line in, one line out (beam search, greedy with --beam 1, or
     --sampling: --n-best K draws K per line)."""
     # Long: typer declares each of the command's options in its signature; the body is short.
-    from attnmt.apps.heatmap import AttentionMaps
     from attnmt.data.text import check_input
     from attnmt.decoding.alignment import moses
+    from attnmt.decoding.heatmap import AttentionMaps
     from attnmt.decoding.translate import format_results
     from attnmt.decoding.translator import Translator
 
@@ -305,8 +305,8 @@ def import_model(
 ) -> None:  # fmt: skip
     """Import a pretrained model (OPUS-MT's MarianMT, or a native Marian model) as an attnmt
     model directory."""
-    from attnmt.apps.marian import import_huggingface
-    from attnmt.apps.marian_native import import_marian
+    from attnmt.interop.huggingface import import_huggingface
+    from attnmt.interop.marian import import_marian
 
     if format is None:
         native = source.suffix in (".npz", ".yml") or not (source / "config.json").exists()
@@ -351,8 +351,8 @@ def export(
     """Export a Transformer to CTranslate2 (pip install 'attnmt[export]'), tokenizer included,
     and report how many sentences it translates exactly as attnmt does; or, --format
     huggingface, as a MarianMTModel directory for transformers."""
-    from attnmt.apps.export import export_ctranslate2, report_agreement
     from attnmt.data.text import check_input
+    from attnmt.interop.ctranslate2 import export_ctranslate2, report_agreement
 
     if format not in ("ctranslate2", "huggingface"):
         raise AttnmtError(f"--format {format!r}: expected ctranslate2 or huggingface")
@@ -361,7 +361,7 @@ def export(
     if format == "huggingface":
         if quantization is not None or check is not None:
             raise AttnmtError("--quantization and --check are for --format ctranslate2")
-        from attnmt.apps.marian import export_huggingface
+        from attnmt.interop.huggingface import export_huggingface
 
         n = export_huggingface(model, out, weights, force)
         typer.echo(f"{out}: a MarianMTModel of {n:,} parameters (config.json, model.safetensors, "
@@ -381,7 +381,7 @@ def plot(
         "--output", "-o", help="PNG file to write.")] = Path("curves.png"),
 ) -> None:  # fmt: skip
     """Draw training curves (loss, dev BLEU, lr against steps and minutes) of runs into a PNG."""
-    from attnmt.apps.plot import plot_runs
+    from attnmt.training.plot import plot_runs
 
     check_output_path(output, "--output")
     plot_runs(models, output)
@@ -432,7 +432,9 @@ def serve(
     try:
         import uvicorn  # noqa: F401
 
-        from attnmt.apps.serve import Limits, create_app, run, served_hosts
+        from attnmt.serve.app import create_app
+        from attnmt.serve.http import run, served_hosts
+        from attnmt.serve.schema import Limits
     except ImportError as e:
         raise AttnmtError(
             f'attnmt serve needs the serve extra ({e.name} is missing): pip install "attnmt[serve]"'
@@ -526,8 +528,8 @@ def distill(
 ) -> None:  # fmt: skip
     """Translate a corpus's source side with a teacher for sequence-level distillation;
     re-run the same command after an interruption to continue where it stopped."""
-    from attnmt.apps.distill import distill as run_distill
     from attnmt.decoding.translator import Translator
+    from attnmt.training.distill import distill as run_distill
 
     check_output_path(output, "--output")
     translator = Translator.load(teacher, device, weights, precision, matmul, workers)

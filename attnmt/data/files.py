@@ -145,6 +145,23 @@ def check_output_path(path: Path, option: str) -> None:
         raise WriteError(f"{option} {path}: cannot write in {parent} (permission denied)")
 
 
+def check_export_path(model_dir: Path, out: Path, force: bool) -> None:
+    """Refuse, before any work, an output that would overwrite what it is made from (the
+    model directory, a directory holding it, or one inside it: --force deletes `out`), or
+    that is a file, or that exists without --force."""
+    model, target = model_dir.resolve(), out.resolve()
+    if target == model or model in target.parents or target in model.parents:
+        raise AttnmtError(
+            f"{out}: is, holds or is inside the model directory {model_dir}; export elsewhere"
+        )
+    if out.exists() and not out.is_dir():
+        raise AttnmtError(f"{out}: exists and is not a directory")
+    if out.exists() and not force:
+        raise AttnmtError(f"{out} exists; pass --force to replace it")
+    if any(p.exists() and not p.is_dir() for p in target.parents):
+        raise AttnmtError(f"{out}: a parent of it is a file, not a directory")
+
+
 def write_stdout(text: str) -> None:
     """Write text to standard output in full, or raise WriteError. A closed pipe (`| head`)
     ends the program quietly with status 141, as a shell tool killed by SIGPIPE does."""

@@ -6,8 +6,8 @@ import httpx
 import torch
 
 from attnmt import Translator
-from attnmt.apps.serve import Limits
 from attnmt.decoding.alignment import word_alignment, word_of_pieces
+from attnmt.serve.schema import Limits
 
 from conftest import make_pairs, write_lines
 from helpers import start_server

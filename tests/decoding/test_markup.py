@@ -8,8 +8,8 @@ import httpx
 import pytest
 
 from attnmt import Translator
-from attnmt.apps.serve import Limits
 from attnmt.decoding.markup import TAG, parse, restore
+from attnmt.serve.schema import Limits
 
 from conftest import make_pairs, write_lines
 from helpers import start_server

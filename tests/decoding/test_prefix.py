@@ -6,10 +6,10 @@ import httpx
 import pytest
 
 from attnmt import Translator
-from attnmt.apps.serve import Limits
 from attnmt.decoding.search import Beam, Greedy, SearchOptions
 from attnmt.decoding.translate import translate
 from attnmt.errors import AttnmtError
+from attnmt.serve.schema import Limits
 
 from conftest import make_pairs, write_lines
 from helpers import start_server

@@ -6,9 +6,9 @@ import httpx
 import pytest
 
 from attnmt import Translator
-from attnmt.apps.serve import Limits
 from attnmt.decoding.terminology import Term, Terminology, read_constraints
 from attnmt.errors import AttnmtError, DataError
+from attnmt.serve.schema import Limits
 
 from conftest import make_pairs, write_lines
 from helpers import assert_user_error, start_server

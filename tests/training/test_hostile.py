@@ -20,9 +20,10 @@ import pytest
 import uvicorn
 
 from attnmt import Translator
-from attnmt.apps.serve import Limits, create_app
 from attnmt.errors import AttnmtError
 from attnmt.models.directory import BEST_FILE, load_model_dir, save_weights
+from attnmt.serve.app import create_app
+from attnmt.serve.schema import Limits
 from attnmt.training.checkpoints import CKPT_DIR
 
 from conftest import tiny_config, write_config, write_lines

@@ -10,11 +10,12 @@ import pytest
 import uvicorn
 
 from attnmt import Translator
-from attnmt.apps.serve import Limits, create_app
 from attnmt.config import from_dict
 from attnmt.data.store import open_store
 from attnmt.errors import AttnmtError, ConfigError
 from attnmt.models.directory import load_model_dir
+from attnmt.serve.app import create_app
+from attnmt.serve.schema import Limits
 from attnmt.training.loop import train
 
 from conftest import tiny_config, write_lines

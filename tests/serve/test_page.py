@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from attnmt import Translator
-from attnmt.apps.serve import Limits
+from attnmt.serve.schema import Limits
 
 from helpers import cli_lines, start_server
 

@@ -8,7 +8,7 @@ import matplotlib.axes
 import matplotlib.image
 import torch
 
-from attnmt.apps.heatmap import write_attention_map
+from attnmt.decoding.heatmap import write_attention_map
 from attnmt.decoding.translate import Translation
 
 

@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from attnmt import Translator
-from attnmt.apps.serve import Limits
 from attnmt.errors import AttnmtError
+from attnmt.serve.schema import Limits
 
 from conftest import make_pairs
 from helpers import cli_lines, free_port, start_server, wait_healthy

@@ -20,8 +20,8 @@ import torch
 import yaml
 
 from attnmt import Translator
-from attnmt.apps.marian_native import native_files, read_vocab
 from attnmt.errors import CheckpointError
+from attnmt.interop.marian import native_files, read_vocab
 
 from conftest import make_pairs, write_lines
 from helpers import assert_user_error

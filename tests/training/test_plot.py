@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from attnmt.apps.plot import read_curves
+from attnmt.training.plot import read_curves
 
 
 def test_the_lr_curve_takes_the_validations_lr_too(tmp_path: Path):

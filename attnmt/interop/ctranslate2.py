@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from attnmt.config import Config
-from attnmt.data.files import WriteError, atomic_directory, free_space, reason
+from attnmt.data.files import WriteError, atomic_directory, check_export_path, free_space, reason
 from attnmt.data.text import read_lines, read_test_set
 from attnmt.data.tokenizer import BOS_ID, PAD_ID, Tokenizer, language_tag
 from attnmt.decoding.search import output_limit, search_options
@@ -135,23 +135,6 @@ def generation(cfg: Config, tokenizer: Tokenizer) -> dict[str, Any]:
             ),
         ],
     }  # fmt: skip
-
-
-def check_export_path(model_dir: Path, out: Path, force: bool) -> None:
-    """Refuse, before any work, an output that would overwrite what it is made from (the
-    model directory, a directory holding it, or one inside it: --force deletes `out`), or
-    that is a file, or that exists without --force."""
-    model, target = model_dir.resolve(), out.resolve()
-    if target == model or model in target.parents or target in model.parents:
-        raise AttnmtError(
-            f"{out}: is, holds or is inside the model directory {model_dir}; export elsewhere"
-        )
-    if out.exists() and not out.is_dir():
-        raise AttnmtError(f"{out}: exists and is not a directory")
-    if out.exists() and not force:
-        raise AttnmtError(f"{out} exists; pass --force to replace it")
-    if any(p.exists() and not p.is_dir() for p in target.parents):
-        raise AttnmtError(f"{out}: a parent of it is a file, not a directory")
 
 
 CHECK_LINES = 100  # sentences `attnmt export` compares the export on

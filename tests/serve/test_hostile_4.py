@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from attnmt import Translator
-from attnmt.apps.distill import distill, partial_path, progress_path, save_progress
 from attnmt.errors import AttnmtError, DataError
+from attnmt.training.distill import distill, partial_path, progress_path, save_progress
 
 from conftest import make_pairs, tiny_config, write_config, write_lines
 from helpers import attnmt, free_port, one_error_line, wait_healthy

@@ -23,9 +23,8 @@ from typing import Any
 
 import torch
 
-from attnmt.apps.export import check_export_path
 from attnmt.config import Config, ModelConfig, from_dict
-from attnmt.data.files import atomic_directory, atomic_write_bytes
+from attnmt.data.files import atomic_directory, atomic_write_bytes, check_export_path
 from attnmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, SubwordVocab, Tokenizer
 from attnmt.errors import CheckpointError
 from attnmt.models.build import build_model

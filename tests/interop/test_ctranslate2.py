@@ -60,17 +60,17 @@ def test_ctranslate2_greedy_equals_ours_pre_norm_tied(tmp_path: Path, trained, r
 def test_export_reports_a_broken_conversion(tmp_path: Path, trained, run_cli, monkeypatch):
     """A conversion that loses something (here: the output projection's weights zeroed in the
     spec) shows in the agreement line and a warning, on the sentences given with --check."""
-    import attnmt.apps.export
+    import attnmt.interop.ctranslate2
 
     model, corpus = trained
-    linear, vocab = attnmt.apps.export._linear, len(Translator.load(model).tokenizer.tgt)
+    linear, vocab = attnmt.interop.ctranslate2._linear, len(Translator.load(model).tokenizer.tgt)
 
     def broken(spec, layer):
         linear(spec, layer)
         if layer.weight.shape[0] == vocab:  # the output projection
             spec.weight = spec.weight * 0
 
-    monkeypatch.setattr(attnmt.apps.export, "_linear", broken)
+    monkeypatch.setattr(attnmt.interop.ctranslate2, "_linear", broken)
     check = corpus["train_src"]
     result = run_cli("export", str(model), str(tmp_path / "ct2"), "--check", str(check))
     assert result.code == 0, result.stderr

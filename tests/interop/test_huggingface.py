@@ -15,10 +15,10 @@ transformers = pytest.importorskip("transformers")
 import sentencepiece as spm  # noqa: E402
 
 from attnmt import Translator  # noqa: E402
-from attnmt.apps.marian import model_rows  # noqa: E402
 from attnmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: E402
 from attnmt.decoding.search import Beam, Greedy, SearchOptions  # noqa: E402
 from attnmt.decoding.translate import translate  # noqa: E402
+from attnmt.interop.huggingface import model_rows  # noqa: E402
 
 from conftest import make_pairs  # noqa: E402
 from helpers import one_error_line  # noqa: E402

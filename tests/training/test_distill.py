@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from attnmt import Translator
-from attnmt.apps.distill import save_progress
+from attnmt.training.distill import save_progress
 
 from conftest import make_pairs, write_lines
 from helpers import wait_for

@@ -25,11 +25,11 @@ import numpy as np
 import torch
 import yaml
 
-from attnmt.apps.export import check_export_path
-from attnmt.apps.marian import Imported, model_rows, write_imported
 from attnmt.config import Config, ModelConfig, from_dict
+from attnmt.data.files import check_export_path
 from attnmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 from attnmt.errors import CheckpointError
+from attnmt.interop.huggingface import Imported, model_rows, write_imported
 from attnmt.models.build import build_model
 
 ACTIVATIONS = ("relu", "swish", "gelu")

@@ -1,0 +1,198 @@
+"""One request, from its bytes to its answer: the body read within its limit, parsed and
+checked against the server's limits (RequestError: its status and message), the work it
+asks for bounded before it starts, and the JSON answer."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from typing import Any
+
+from fastapi import Request
+from pydantic import ValidationError
+
+from attnmt.decoding.search import Beam, SearchOptions, output_limit
+from attnmt.decoding.translate import Translation
+from attnmt.decoding.translator import Translator
+from attnmt.errors import AttnmtError
+from attnmt.serve.schema import MAX_PHRASES, Limits, TranslateRequest
+
+
+class RequestError(Exception):
+    """A request refused: its HTTP status and the message of its JSON body."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused (413) as soon as it passes `limit` bytes: before it is
+    read whole when Content-Length says so, else as it streams in."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise RequestError(413, f"request body of {int(length):,} bytes; at most {limit:,}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise RequestError(413, f"request body over {limit:,} bytes")
+    return bytes(body)
+
+
+def check_json(http: Request) -> None:
+    """415 unless the body says it is JSON: a web page may POST a form or text/plain to any
+    address without asking (no CORS preflight), but not application/json."""
+    kind = http.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/json":
+        raise RequestError(
+            415, f"content-type {kind or 'missing'}: POST /translate takes application/json"
+        )
+
+
+def parse_request(body: bytes) -> TranslateRequest:
+    """A TranslateRequest from JSON bytes; 422 for what JSON or the schema refuse, for the
+    non-standard NaN and Infinity, and for text that is not valid Unicode (lone surrogates)."""
+
+    def refuse(constant: str) -> Any:
+        raise ValueError(f"{constant} is not a JSON number")
+
+    def finite(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value):
+            raise ValueError(f"{text} is out of range")
+        return value
+
+    try:
+        data = json.loads(body, parse_constant=refuse, parse_float=finite)
+        request = TranslateRequest.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise RequestError(422, f"{where}: {first['msg']}") from None
+    except ValueError as e:  # JSONDecodeError included
+        raise RequestError(422, f"not a JSON request: {e}") from None
+    phrases = [(f"constraints[{i}]", c) for i, c in enumerate(request.constraints or [])]
+    for name, items in (("text", request.text), ("prefix", request.prefix or []), *phrases):
+        for i, line in enumerate(items):
+            try:
+                line.encode("utf-8")
+            except UnicodeEncodeError:
+                raise RequestError(
+                    422, f"{name}[{i}]: not valid Unicode (a lone surrogate)"
+                ) from None
+    return request
+
+
+def check_limits(request: TranslateRequest, limits: Limits) -> None:
+    """413 for more lines, or a longer line (or prefix), than the limits allow; 422 for a
+    prefix list that does not match the lines."""
+    if request.prefix is not None:
+        if len(request.prefix) != len(request.text):
+            raise RequestError(
+                422, f"prefix: {len(request.prefix)} prefixes for {len(request.text)} lines"
+            )
+        for i, p in enumerate(request.prefix):
+            if len(p) > limits.max_chars:
+                raise RequestError(
+                    413, f"prefix[{i}]: {len(p)} characters; at most {limits.max_chars}"
+                )
+    if request.constraints is not None:
+        if len(request.constraints) != len(request.text):
+            raise RequestError(422, f"constraints: {len(request.constraints)} lists for "
+                                    f"{len(request.text)} lines")  # fmt: skip
+        for i, c in enumerate(request.constraints):
+            if len(c) > MAX_PHRASES or sum(map(len, c)) > limits.max_chars:
+                raise RequestError(413, f"constraints[{i}]: {len(c)} phrases of "
+                                        f"{sum(map(len, c))} characters; at most {MAX_PHRASES} "
+                                        f"of {limits.max_chars} in all")  # fmt: skip
+    if len(request.text) > limits.max_lines:
+        raise RequestError(413, f"{len(request.text)} lines; at most {limits.max_lines} a request")
+    for i, line in enumerate(request.text):
+        if len(line) > limits.max_chars:
+            raise RequestError(
+                413, f"text[{i}]: {len(line)} characters; at most {limits.max_chars}"
+            )
+
+
+def check_work(
+    translator: Translator, request: TranslateRequest, options: SearchOptions, limits: Limits
+) -> None:
+    """413 for a request whose search, or whose attention maps at the longest output the
+    search may write, would pass the limits: bounded before any work starts."""
+    width = options.method.size if isinstance(options.method, Beam) else options.n_best
+    hypotheses = len(request.text) * width
+    if hypotheses > limits.max_search:
+        raise RequestError(
+            413, f"{len(request.text)} lines x {width} hypotheses (beam or draws) = "
+            f"{hypotheses:,}; at most {limits.max_search:,} a request (serve --max-search)",
+        )  # fmt: skip
+    layers, heads = translator.attention_shape()
+    # The maps asked for, and the attention every hypothesis of an aligned search keeps.
+    aligned = request.alignments or request.markup
+    maps = options.n_best * layers * heads * request.attention + width * aligned
+    if maps:
+        weights = attention_bound(translator, request.text, options, maps)
+        if weights > limits.max_attention:
+            raise RequestError(
+                413, f"attention maps of up to {weights:,} weights; at most "
+                f"{limits.max_attention:,} a request (serve --max-attention): send fewer or "
+                "shorter lines, or a smaller n_best",
+            )  # fmt: skip
+
+
+def attention_bound(
+    translator: Translator, lines: list[str], options: SearchOptions, maps: int
+) -> int:
+    """The attention weights of `maps` maps a line at the longest output the search may
+    write: maps x output pieces x source pieces (EOS, tag included), summed over lines."""
+    total = 0
+    for ids in translator.tokenizer.src.encode([line.strip() for line in lines]):
+        S = min(len(ids) + 2, options.max_src_len)  # EOS and a language tag
+        T = output_limit(S, options) + 1
+        total += maps * T * S
+    return total
+
+
+def request_options(translator: Translator, request: TranslateRequest) -> SearchOptions:
+    """The request's search, checked as the CLI's options are (an AttnmtError: 422)."""
+    draws = request.sampling
+    if draws is not None and request.beam is not None:
+        raise AttnmtError("sampling draws instead of searching: drop beam")
+    sampling = None if draws is None else (draws.temperature, draws.top_k, draws.seed)
+    spec = translator.alignment_spec() if request.alignments or request.markup else None
+    return translator.options(request.beam, request.n_best, request.length_penalty, spec, sampling)
+
+
+def answer(results: list[list[Translation]], n_best: int, terms: bool = False) -> dict[str, Any]:
+    """The JSON answer: each line's best translation, with n_best above 1 its list, and
+    with `terms` the terminology's terms each line's search applied."""
+    out: dict[str, Any] = {"translations": [r[0].text for r in results]}
+    if terms:
+        out["terms"] = [[t.__dict__ for t in r[0].terms] for r in results]
+    if n_best > 1:
+        out["n_best"] = [[{"text": t.text, "score": round(t.score, 4)} for t in r] for r in results]
+    return out
+
+
+class Cancelled(Exception):
+    """The client left: the work for it stops."""
+
+
+def maps(
+    translator: Translator, results: list[list[Translation]], cancel: threading.Event
+) -> list[list[dict[str, Any]]]:
+    """Each hypothesis's source attention (Translator.attention_maps), as JSON; Cancelled as
+    soon as `cancel` is set (checked between hypotheses)."""
+    out: list[list[dict[str, Any]]] = []
+    for found in results:
+        out.append([])
+        for t in found:
+            if cancel.is_set():
+                raise Cancelled
+            weights = translator.attention_maps(t).round(decimals=4).tolist()
+            out[-1].append(
+                {"src_pieces": t.src_pieces, "tgt_pieces": t.tgt_pieces, "weights": weights}
+            )
+    return out

@@ -1,0 +1,117 @@
+"""The HTTP API's shapes: the server's limits, and the request and answer models that
+/openapi.json documents (closed and strict, as the config is)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_lines: int = 64  # lines per request
+    max_chars: int = 2000  # characters per line
+    max_queue: int = 256  # requests waiting
+    batch_wait_ms: float = 5.0  # how long the first request of a batch waits for others
+    batch_lines: int = 256  # lines searched at most in one batch
+    batch_chars: int = 8000  # characters searched at most in one batch (at least one line)
+    max_search: int = 512  # lines × beam (or draws) per request
+    max_attention: int = 2_000_000  # attention weights a request may ask for (at most)
+
+    @property
+    def max_body(self) -> int:
+        """Request bytes at most: every character JSON-escaped as a surrogate pair (12
+        bytes), plus room for the rest of the object."""
+        return self.max_lines * (12 * self.max_chars + 8) + 4096
+
+
+MAX_PHRASES = 32  # constraints per line a request may give
+
+
+class SamplingRequest(BaseModel):
+    """Draw translations instead of searching (translate --sampling)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    temperature: float = Field(1.0, ge=0.01, le=100.0, description="Divide the logits by this.")
+    top_k: int = Field(0, ge=0, description="Draw from the K likeliest tokens (0: all).")
+    seed: int = Field(0, ge=0, le=(1 << 63) - 1, description="Seed of the draws.")
+
+
+class TranslateRequest(BaseModel):
+    """Closed, as the config is: an unknown field is refused (422), not ignored; strict, so
+    `"beam": true` or `"beam": "5"` is refused too, as the Python API refuses them."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    text: list[str] = Field(description="Sentences to translate, one per item.")
+    beam: int | None = Field(None, ge=1, le=100, description="Beam size (default: the model's).")
+    n_best: int = Field(
+        1, ge=1, le=100, description="Hypotheses per line with scores (at most the beam; "
+        "with sampling, draws); above 1 the answer has `n_best` lists.",
+    )  # fmt: skip
+    length_penalty: float | None = Field(
+        None, ge=0.0, le=10.0, description="GNMT length penalty alpha (default: the model's)."
+    )
+    sampling: SamplingRequest | None = Field(None, description="Draw instead of searching.")
+    attention: bool = Field(
+        False, description="Also return each hypothesis's source attention (`attention`)."
+    )
+    target_lang: str | None = Field(
+        None, description="A multilingual model: the language to translate into."
+    )
+    prefix: list[str] | None = Field(
+        None, description="Per line of `text`, the text its translation starts with "
+        '(prefix-constrained search: interactive MT); "" for none.',
+    )  # fmt: skip
+    constraints: list[list[str]] | None = Field(
+        None, description="Per line of `text`, target phrases its translation must contain "
+        f"(lexically constrained beam search; at most {MAX_PHRASES} a line); [] for none.",
+    )  # fmt: skip
+    alignments: bool = Field(
+        False, description="Also return each line's word alignment (`alignments`)."
+    )
+    markup: bool = Field(
+        False, description="The lines hold inline XML/HTML tags: each is put back around "
+        "the aligned output words (as translate --markup).",
+    )  # fmt: skip
+
+
+class Scored(BaseModel):
+    text: str
+    score: float
+
+
+class AttentionMap(BaseModel):
+    src_pieces: list[str] = Field(description="Source pieces, EOS included (the columns).")
+    tgt_pieces: list[str] = Field(description="Output pieces, EOS included if it ended (rows).")
+    weights: list[list[list[list[float]]]] = Field(
+        description="layers x heads x target pieces x source pieces; each row sums to 1. A "
+        "Transformer: every decoder layer and head; the GRU model (or an ensemble): one."
+    )
+
+
+class AppliedTerm(BaseModel):
+    source: str
+    target: str
+
+
+class TranslateResponse(BaseModel):
+    translations: list[str] = Field(description="The best translation of each line.")
+    alignments: list[list[tuple[int, int]]] | None = Field(
+        None, description="With alignments: per line, [source word, target word] pairs of "
+        "its best translation (whitespace words, from 0; as translate --alignments).",
+    )  # fmt: skip
+    terms: list[list[AppliedTerm]] | None = Field(
+        None, description="With serve --terminology: each line's terms, found in it and "
+        "required in its translation.",
+    )  # fmt: skip
+    n_best: list[list[Scored]] | None = Field(
+        None, description="With n_best above 1: each line's hypotheses, best first."
+    )
+    attention: list[list[AttentionMap]] | None = Field(
+        None, description="With attention: each line's maps, one per hypothesis (as n_best)."
+    )
+
+
+class ErrorResponse(BaseModel):
+    error: str = Field(description="What was wrong, in one line (every error has this shape).")
