@@ -1,7 +1,7 @@
 """The config schema: typed and closed (unknown keys are errors), YAML loading, `--set` overrides.
 
-Every key has a default except the data paths; `README.md` documents each one. Relative data
-paths are resolved against the current working directory when the config is loaded, and the
+Every key has a default except the data paths; docs/configuration.md documents each one.
+Relative data paths are resolved against the current working directory when the config is loaded, and the
 resolved config (absolute paths, defaults filled in) is what the model directory stores.
 """
 

@@ -62,7 +62,7 @@ from bench_train import add_train_args, bench_train
 from attnmt.data.text import read_lines
 from attnmt.decoding.search import Beam, Greedy, SearchOptions
 from attnmt.decoding.shortlist import attach, load_shortlist
-from attnmt.decoding.translate import for_decoding, score, translate
+from attnmt.decoding.translate import for_decoding, score, search_lines
 from attnmt.device import DECODE_PRECISIONS, MATMUL_BACKENDS
 from attnmt.kernels import matmul
 from attnmt.models.directory import load_model_dir
@@ -108,16 +108,18 @@ def decode_models(args: argparse.Namespace, backend: str) -> None:
                 batches |= {"device": args.device}
                 fp32, unlisted = None, None
                 if plain is not None:
-                    fp32 = translate(plain, tokenizer, src, options, **batches)
+                    fp32 = search_lines(plain, tokenizer, src, options, **batches)
                 else:  # a first pass: CUDA's lazy start-up and kernel choices are not timed
-                    translate(model, tokenizer, src[:batch_sentences], options, **batches)
+                    search_lines(model, tokenizer, src[:batch_sentences], options, **batches)
                 if shortlist == "on":
-                    unlisted = translate(model, tokenizer, src, options, **batches)
+                    unlisted = search_lines(model, tokenizer, src, options, **batches)
                     batches["shortlist"] = short
                 times, result = [], None
                 for _ in range(args.runs):
                     start = time.perf_counter()
-                    result = translate(model, tokenizer, src, options, workers=workers, **batches)
+                    result = search_lines(
+                        model, tokenizer, src, options, workers=workers, **batches
+                    )
                     times.append(time.perf_counter() - start)
                 assert result is not None
                 hyps = [r[0].text for r in result]

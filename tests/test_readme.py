@@ -60,12 +60,43 @@ def test_every_command_and_option_is_in_the_manual():
 
 
 def test_the_readme_is_a_front_door_linking_every_page():
-    assert len(README.splitlines()) <= 300
-    for page in MANUAL_PAGES:
+    lines = README.splitlines()
+    assert len(lines) <= 100, f"README.md: {len(lines)} lines (100 at most)"
+    in_code = False
+    for n, line in enumerate(lines, 1):
+        in_code ^= line.startswith("```")
+        if not in_code and not line.startswith(("|", "```")):
+            assert len(line) <= 120, f"README.md:{n}: {len(line)} characters (120 at most)"
+    for page in [*MANUAL_PAGES, "benchmarks"]:
         assert f"](docs/{page}.md" in README, f"docs/{page}.md is not linked from the README"
 
 
-def test_relative_links_point_at_files_that_exist():
-    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", doc.read_text(encoding="utf-8")):
-            assert (doc.parent / target).exists(), f"{doc.name}: a link to {target}"
+def test_every_figure_in_the_readme_is_in_the_benchmarks():
+    benchmarks = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    table = README.split("## How fast, how good")[1].split("\n## ")[0]
+    rows = [r for r in table.splitlines() if r.startswith("| [")]
+    assert rows, "the README's table of figures"
+    for row in rows:
+        cells = row.split("|")[2:-1]  # attnmt's figure, the peer's, the ratio
+        for figure in re.findall(r"\d[\d,]*\.\d+|\d{1,3}(?:,\d{3})+", " ".join(cells)):
+            assert figure in benchmarks, f"README figure {figure} is not in docs/benchmarks.md"
+
+
+def _anchors(doc: Path) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings."""
+    out = set()
+    for line in doc.read_text(encoding="utf-8").splitlines():
+        if line.startswith("#"):
+            text = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower())
+            out.add(text.replace(" ", "-"))
+    return out
+
+
+def test_relative_links_point_at_files_and_headings_that_exist():
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        text = doc.read_text(encoding="utf-8")
+        for target, anchor in re.findall(r"\]\(([^)#:]*)(?:#([^)]*))?\)", text):
+            path = doc.parent / target if target else doc
+            assert path.exists(), f"{doc.name}: a link to {target}"
+            if anchor and path.suffix == ".md":
+                assert anchor in _anchors(path), f"{doc.name}: a link to {target}#{anchor}"

@@ -1,4 +1,5 @@
-"""The `attnmt` commands: train, translate, eval, serve, distill, export, average, plot.
+"""The `attnmt` commands: train, translate, average, split, import, export, plot, serve,
+shortlist, distill, eval, score (and --version).
 
 Parses arguments and calls library functions; attnmt.cli.main runs them and turns any AttnmtError
 (a problem with what the user gave us) into one line on stderr and exit code 2.
@@ -15,14 +16,11 @@ import typer
 
 from attnmt import __version__
 from attnmt.cli.options import (
-    DeviceOption,
-    MatmulOption,
-    PrecisionOption,
+    ModelLoad,
     ShortlistOption,
     TargetLangOption,
     TerminologyOption,
-    WeightsOption,
-    WorkersOption,
+    model_options,
 )
 from attnmt.data.files import OutputSink, atomic_write_bytes, check_output_path
 from attnmt.errors import AttnmtError
@@ -52,8 +50,8 @@ def _main(
     """Attention-based neural machine translation: train, translate, evaluate."""
 
 
-@app.command(short_help="Train a model from a YAML config.")
-def train(
+@app.command("train", short_help="Train a model from a YAML config.")
+def train_command(
     config: Annotated[Path, typer.Option("--config", "-c", help="YAML config file.")],
     out: Annotated[Path, typer.Option(
         "--out", "-o", help="Model directory to create.")] = Path("model"),
@@ -74,7 +72,7 @@ def train(
 ) -> None:  # fmt: skip
     """Train a SentencePiece model and an encoder-decoder from a YAML config."""
     from attnmt.config import load_config
-    from attnmt.training.loop import train as run_training
+    from attnmt.training.loop import train
 
     if resume and overwrite:
         raise AttnmtError("--resume and --overwrite contradict each other; pick one")
@@ -84,10 +82,11 @@ def train(
     if time_budget is not None:
         overrides.append(f"train.time_budget={json.dumps(time_budget)}")
     cfg = load_config(config, overrides)
-    run_training(cfg, out, overwrite=overwrite, resume=resume, quiet=quiet)
+    train(cfg, out, overwrite=overwrite, resume=resume, quiet=quiet)
 
 
 @app.command(short_help="Translate lines: greedy, beam, sampling, n-best.")
+@model_options()
 def translate(
     model: Annotated[list[Path], typer.Option(
         "--model", "-m", metavar="DIR",
@@ -120,11 +119,6 @@ def translate(
     top_k: Annotated[int, typer.Option(
         "--top-k", min=0, help="Sample from the K likeliest tokens (0: all).")] = 0,
     seed: Annotated[int, typer.Option("--seed", min=0, help="Sampling seed.")] = 0,
-    weights: WeightsOption = "best",
-    device: DeviceOption = "auto",
-    workers: WorkersOption = None,
-    precision: PrecisionOption = None,
-    matmul: MatmulOption = None,
     target_lang: TargetLangOption = None,
     prefix: Annotated[Path | None, typer.Option(
         "--prefix", help="A target prefix per input line: each translation starts with its "
@@ -143,6 +137,8 @@ def translate(
     markup: Annotated[bool, typer.Option(
         "--markup", help="Lines hold inline XML/HTML tags: translate the text and put each "
         "tag back around the aligned output words.")] = False,
+    *,
+    load: ModelLoad,
 ) -> None:  # fmt: skip
     """Translate text, one line in, one line out (beam search, greedy with --beam 1, or
     --sampling: --n-best K draws K per line)."""
@@ -151,19 +147,14 @@ def translate(
     from attnmt.decoding.alignment import moses
     from attnmt.decoding.heatmap import AttentionMaps
     from attnmt.decoding.translate import format_results
-    from attnmt.decoding.translator import Translator
 
     if output is not None:
         check_output_path(output, "--output")
     source = None if input is None or str(input) == "-" else input
     if source is not None:
         check_input(source)  # a missing or unreadable file fails before the model loads
-    if sampling and beam is not None:
-        raise AttnmtError("--sampling draws instead of searching: drop --beam")
     prefixes, wanted = per_line_inputs(prefix, constraints, terminology)
-    translator = Translator.load(
-        model, device, weights, precision, matmul, workers, terminology, shortlist
-    )
+    translator = load.translator(model, terminology, shortlist)
     spec, maps = None, None
     if attention is not None:
         spec = translator.attention_spec(attention_layer, attention_head)
@@ -389,6 +380,7 @@ def plot(
 
 
 @app.command(short_help="Serve translations over HTTP, with a page.")
+@model_options()
 def serve(
     model: Annotated[list[Path], typer.Option(
         "--model", "-m", metavar="DIR",
@@ -420,13 +412,10 @@ def serve(
         "directories' names, not their paths).")] = None,
     access_log: Annotated[bool, typer.Option(
         "--access-log/--no-access-log", help="A line per request on stderr.")] = True,
-    weights: WeightsOption = "best",
-    device: DeviceOption = "auto",
-    workers: WorkersOption = None,
-    precision: PrecisionOption = None,
-    matmul: MatmulOption = None,
     terminology: TerminologyOption = None,
     shortlist: ShortlistOption = None,
+    *,
+    load: ModelLoad,
 ) -> None:  # fmt: skip
     """Serve translations over HTTP: POST /translate {"text": [...], "beam": 5}."""
     try:
@@ -439,14 +428,8 @@ def serve(
         raise AttnmtError(
             f'attnmt serve needs the serve extra ({e.name} is missing): pip install "attnmt[serve]"'
         ) from None
-    from attnmt.data.text import check_input
-    from attnmt.decoding.translator import Translator
 
-    if terminology is not None:
-        check_input(terminology)
-    translator = Translator.load(
-        model, device, weights, precision, matmul, workers, terminology, shortlist
-    )
+    translator = load.translator(model, terminology, shortlist)
     limits = Limits(
         max_lines, max_chars, max_queue, batch_wait_ms,
         max_search=max_search, max_attention=max_attention,
@@ -505,8 +488,9 @@ def shortlist_command(
     )  # fmt: skip
 
 
-@app.command(short_help="Translate a corpus with a teacher (distillation).")
-def distill(
+@app.command("distill", short_help="Translate a corpus with a teacher (distillation).")
+@model_options()
+def distill_command(
     teacher: Annotated[list[Path], typer.Option(
         "--teacher", "-t", metavar="DIR",
         help="Teacher model directory (more than once: an ensemble).")],
@@ -519,22 +503,18 @@ def distill(
         "--chunk-lines", min=1, help="Lines translated, then saved, at a time.")] = 2048,
     force: Annotated[bool, typer.Option(
         "--force", help="Start over: replace OUTPUT and any interrupted run.")] = False,
-    weights: WeightsOption = "best",
-    device: DeviceOption = "auto",
-    workers: WorkersOption = None,
-    precision: PrecisionOption = None,
-    matmul: MatmulOption = None,
     target_lang: TargetLangOption = None,
+    *,
+    load: ModelLoad,
 ) -> None:  # fmt: skip
     """Translate a corpus's source side with a teacher for sequence-level distillation;
     re-run the same command after an interruption to continue where it stopped."""
-    from attnmt.decoding.translator import Translator
-    from attnmt.training.distill import distill as run_distill
+    from attnmt.training.distill import distill
 
     check_output_path(output, "--output")
-    translator = Translator.load(teacher, device, weights, precision, matmul, workers)
-    done = run_distill(
-        translator, teacher, weights, src, output, beam, target_lang, chunk_lines, force
+    translator = load.translator(teacher)
+    done = distill(
+        translator, teacher, load.weights, src, output, beam, target_lang, chunk_lines, force
     )
     rate = done.translated / max(done.seconds, 1e-9)
     typer.echo(
@@ -544,6 +524,7 @@ def distill(
 
 
 @app.command("eval", short_help="Score translations with sacreBLEU.")
+@model_options()
 def evaluate(
     ref: Annotated[list[Path], typer.Option(
         "--ref", "-r", help="Reference translations (more than once: several per line).")],
@@ -561,13 +542,10 @@ def evaluate(
         "--lowercase", "-lc", help="Case-insensitive scores (sacreBLEU's -lc).")] = False,
     beam: Annotated[int | None, typer.Option(
         "--beam", "-b", min=1, max=100, help="Beam size with --model (default: config).")] = None,
-    weights: WeightsOption = "best",
-    device: DeviceOption = "auto",
-    workers: WorkersOption = None,
-    precision: PrecisionOption = None,
-    matmul: MatmulOption = None,
     target_lang: TargetLangOption = None,
     shortlist: ShortlistOption = None,
+    *,
+    load: ModelLoad,
 ) -> None:  # fmt: skip
     """Score translations with sacreBLEU (BLEU, chrF, TER); translate --src first if --model is
     given."""
@@ -586,11 +564,7 @@ def evaluate(
     more = read_references(ref[1:], len(refs))
     hyps = lines
     if model is not None:
-        from attnmt.decoding.translator import Translator
-
-        translator = Translator.load(
-            model, device, weights, precision, matmul, workers, shortlist=shortlist
-        )
+        translator = load.translator(model, shortlist=shortlist)
         _, hyps = translator.score_test_set(lines, refs, beam, target_lang)
         if output is not None:
             atomic_write_bytes(output, "".join(h + "\n" for h in hyps).encode("utf-8"))
@@ -608,6 +582,7 @@ def evaluate(
 
 
 @app.command("score", short_help="Forced decoding: log-probabilities of translations.")
+@model_options(workers=False)
 def score_command(
     model: Annotated[list[Path], typer.Option(
         "--model", "-m", metavar="DIR", help="Model directory (more than once: an ensemble).")],
@@ -617,21 +592,18 @@ def score_command(
         "--output", "-o", help="Output file (default: stdout).")] = None,
     normalize: Annotated[bool, typer.Option(
         "--normalize", help="Log-probability per target piece, not per sentence.")] = False,
-    weights: WeightsOption = "best",
-    device: DeviceOption = "auto",
-    precision: PrecisionOption = None,
-    matmul: MatmulOption = None,
     target_lang: TargetLangOption = None,
+    *,
+    load: ModelLoad,
 ) -> None:  # fmt: skip
     """Forced decoding: each translation's log-probability under the model, one per line."""
     from attnmt.config import SplitConfig
     from attnmt.data.text import read_test_set
-    from attnmt.decoding.translator import Translator
 
     if output is not None:
         check_output_path(output, "--output")
     sources, targets = read_test_set(SplitConfig(src=src, tgt=tgt))
-    translator = Translator.load(model, device, weights, precision, matmul, 1)
+    translator = load.translator(model)
     found = translator.score_pairs(sources, targets, target_lang=target_lang)
     with OutputSink(output) as sink:
         sink.write("".join(f"{f.per_piece if normalize else f.log_prob:.4f}\n" for f in found))

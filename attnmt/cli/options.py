@@ -1,11 +1,19 @@
-"""Options that several `attnmt` commands share (translate, eval, serve, distill)."""
+"""Options that several `attnmt` commands share, and the one way a command loads a model
+(translate, eval, score, serve, distill: `model_options` and ModelLoad)."""
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+
+if TYPE_CHECKING:
+    from attnmt.decoding.translator import Translator
 
 WeightsOption = Annotated[
     str,
@@ -63,3 +71,65 @@ ShortlistOption = Annotated[
         "`attnmt shortlist`; default: config decode.shortlist).",
     ),
 ]
+
+
+@dataclass(frozen=True)
+class ModelLoad:
+    """How a command loads its model(s): the options every model-using command shares."""
+
+    weights: str = "best"
+    device: str = "auto"
+    precision: str | None = None
+    matmul: str | None = None
+    workers: int | None = None
+
+    def translator(
+        self,
+        models: list[Path],
+        terminology: Path | None = None,
+        shortlist: bool | None = None,
+    ) -> Translator:
+        """The one way a command loads a Translator (a terminology file is checked first)."""
+        from attnmt.data.text import check_input
+        from attnmt.decoding.translator import Translator
+
+        if terminology is not None:
+            check_input(terminology)
+        return Translator.load(
+            models, self.device, self.weights, self.precision, self.matmul, self.workers,
+            terminology, shortlist,
+        )  # fmt: skip
+
+
+_SHARED = {
+    "weights": (WeightsOption, "best"),
+    "device": (DeviceOption, "auto"),
+    "workers": (WorkersOption, None),
+    "precision": (PrecisionOption, None),
+    "matmul": (MatmulOption, None),
+}
+
+
+def model_options(workers: bool = True) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Give a command --weights, --device, --precision, --matmul (and --workers) and pass
+    them to it as one `load: ModelLoad` argument: declared once, read once."""
+    names = [n for n in _SHARED if workers or n != "workers"]
+
+    def wrap(command: Callable[..., None]) -> Callable[..., None]:
+        signature = inspect.signature(command, eval_str=True)
+        own = [p for p in signature.parameters.values() if p.name != "load"]
+        shared = [
+            inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=_SHARED[n][1],
+                              annotation=_SHARED[n][0])
+            for n in names
+        ]  # fmt: skip
+
+        @functools.wraps(command)
+        def run(**given: Any) -> None:
+            command(load=ModelLoad(**{n: given.pop(n) for n in names}), **given)
+
+        run.__signature__ = signature.replace(parameters=[*own, *shared])  # type: ignore[attr-defined]
+        run.__annotations__ = {p.name: p.annotation for p in [*own, *shared]}
+        return run
+
+    return wrap

@@ -20,7 +20,7 @@ from attnmt.decoding.terminology import Term
 from attnmt.device import PRECISION_DTYPES
 from attnmt.errors import DataError
 from attnmt.kernels import matmul_backend, quantize_int8
-from attnmt.kernels.matmul import active as active_backend
+from attnmt.kernels.matmul import active_backend
 from attnmt.models.seq2seq import Seq2Seq
 
 
@@ -35,7 +35,7 @@ class Translation:
     terms: list[Term] = field(default_factory=list)  # the terminology's, found in the source
 
 
-def translate(
+def search_lines(
     model: Seq2Seq,
     tokenizer: Tokenizer,
     lines: Sequence[str],
@@ -77,7 +77,8 @@ def translate(
     for j, ids in enumerate(src):
         if len(ids) > options.max_src_len:  # one very long line must not stall the rest
             print(
-                f"attnmt: warning: input line {todo[j] + 1}: {len(ids) - 1:,} subwords, cut to "
+                f"attnmt: warning: input line {first_line + todo[j] + 1}: {len(ids) - 1:,} "
+                f"subwords, cut to "
                 f"the first {options.max_src_len - 1:,} (decode.max_src_len)",
                 file=sys.stderr,
             )
@@ -172,7 +173,7 @@ def translate_lines(
     """The best translation of each line as text; exactly one output per input, in order."""
     assert options.n_best == 1, "translate_lines gives one translation per line"
     n1 = replace(options, attention=None, scores=False)
-    found = translate(
+    found = search_lines(
         model, tokenizer, lines, n1, batch_tokens=batch_tokens, device=device, workers=workers,
         prefix=prefix,
     )  # fmt: skip

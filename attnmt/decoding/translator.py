@@ -27,12 +27,19 @@ from attnmt.data.tokenizer import Tokenizer
 from attnmt.decoding.alignment import DEFAULT_LAYER, align
 from attnmt.decoding.ensemble import Ensemble
 from attnmt.decoding.forced import ForcedScore, attention_maps, score_pairs
-from attnmt.decoding.markup import parse, put_back
+from attnmt.decoding.markup import parse
+from attnmt.decoding.request import Prepared
 from attnmt.decoding.search import Beam, SearchOptions, search_options
 from attnmt.decoding.shortlist import Shortlist, attach, load_shortlist
 from attnmt.decoding.terminology import Term, Terminology
-from attnmt.decoding.translate import Scores, Translation, for_decoding, score, score_translations
-from attnmt.decoding.translate import translate as run_search
+from attnmt.decoding.translate import (
+    Scores,
+    Translation,
+    for_decoding,
+    score,
+    score_translations,
+    search_lines,
+)
 from attnmt.device import (
     DECODE_PRECISIONS,
     DEVICES,
@@ -189,7 +196,9 @@ class Translator:
         sampling: tuple[float, int, int] | None = None,
     ) -> SearchOptions:
         """SearchOptions from the model's decode section and these overrides; n_best above
-        the beam is refused (sampling draws any number)."""
+        the beam is refused (sampling draws any number), as is a beam with sampling."""
+        if sampling is not None and beam is not None:
+            raise AttnmtError("sampling draws instead of searching: drop the beam (--beam)")
         beam = self.cfg.decode.beam if beam is None else beam
         _check_int("beam", beam, 1, 100)
         _check_int("n_best", n_best, 1, 1000)
@@ -282,23 +291,35 @@ class Translator:
         constraints: Sequence[Sequence[str]] | None = None,
         markup: bool = False,
     ) -> list[list[Translation]]:
-        """Search (or sample) with `options` over lines: what the other methods call.
-        `first_line`: the number of lines before these in a longer input (sampling seeds);
-        `target_lang`: the language to translate into (a multilingual model needs it);
-        `prefix`: per line, the text its translations start with (prefix-constrained search:
-        the pieces of the prefix, then the search goes on; "" for none); `constraints`: per
-        line, phrases its translations must contain (lexically constrained beam search),
-        joined by the terminology's terms found in the line (Translation.terms); `markup`:
-        the lines hold inline tags, translated around (attnmt.decoding.markup)."""
+        """Search (or sample) with `options` over lines: what the other methods call, and
+        prepare, then decode. `first_line`: the number of lines before these in a longer input
+        (sampling seeds); the rest as prepare takes them."""
+        prepared = self.prepare(lines, options, target_lang, prefix, constraints, markup)
+        return prepared.finish(self.decode(prepared, batch_tokens, workers, first_line))
+
+    def prepare(
+        self,
+        lines: Sequence[str],
+        options: SearchOptions,
+        target_lang: str | None = None,
+        prefix: Sequence[str] | None = None,
+        constraints: Sequence[Sequence[str]] | None = None,
+        markup: bool = False,
+    ) -> Prepared:
+        """Check lines and their per-line options and make them ready to search: the one
+        check of a request, whoever sends it. `target_lang`: the language to translate into (a
+        multilingual model needs it); `prefix`: per line, the text its translations start with
+        (prefix-constrained search: the pieces of the prefix, then the search goes on; "" for
+        none); `constraints`: per line, phrases its translations must contain (lexically
+        constrained beam search), joined by the terminology's terms found in the line
+        (Translation.terms); `markup`: the lines hold inline tags, translated around
+        (attnmt.decoding.markup)."""
         if isinstance(lines, str) or not isinstance(lines, Sequence):
             raise AttnmtError("lines: expected a list of sentences (one str: wrap it in a list)")
         for i, line in enumerate(lines):
             if not isinstance(line, str):
                 raise AttnmtError(f"lines[{i}]: expected a str, not {type(line).__name__}")
-        if batch_tokens is not None:
-            _check_int("batch_tokens", batch_tokens, 1, 1 << 40)
-        if workers is not None:
-            _check_int("workers", workers, 1, 64)
+        source_prefix = tuple(self.source_prefix(target_lang))
         target_prefix = None
         if prefix is not None:
             _check_strs("prefix", prefix)
@@ -310,22 +331,30 @@ class Translator:
             parsed = [parse(line) for line in lines]
             lines, trees = [text for text, _ in parsed], [tree for _, tree in parsed]
             options = replace(options, attention=options.attention or self.alignment_spec())
-        terms, phrases = self.constraints_of(lines, constraints, options)
-        found = run_search(
-            self.model, self.tokenizer, list(lines), options,
+        terms, phrases = self._constraints(lines, constraints, options)
+        return Prepared(options, list(lines), source_prefix, target_prefix, terms, phrases, trees)
+
+    def decode(
+        self,
+        prepared: Prepared,
+        batch_tokens: int | None = None,
+        workers: int | None = None,
+        first_line: int = 0,
+    ) -> list[list[Translation]]:
+        """Search prepared lines (without finishing them: Prepared.finish)."""
+        if batch_tokens is not None:
+            _check_int("batch_tokens", batch_tokens, 1, 1 << 40)
+        if workers is not None:
+            _check_int("workers", workers, 1, 64)
+        return search_lines(
+            self.model, self.tokenizer, prepared.lines, prepared.options,
             batch_tokens=batch_tokens or self.cfg.decode.batch_tokens, device=self.device,
             workers=workers or self.workers, first_line=first_line, matmul=self.matmul,
-            prefix=self.source_prefix(target_lang), target_prefix=target_prefix,
-            constraints=phrases, shortlist=self.shortlist,
+            prefix=prepared.source_prefix, target_prefix=prepared.target_prefix,
+            constraints=prepared.phrases, shortlist=self.shortlist,
         )  # fmt: skip
-        for results, applied in zip(found, terms, strict=True):
-            for r in results:
-                r.terms = applied
-        if trees is not None:
-            put_back(found, trees)
-        return found
 
-    def constraints_of(
+    def _constraints(
         self,
         lines: Sequence[str],
         constraints: Sequence[Sequence[str]] | None,

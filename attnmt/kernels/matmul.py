@@ -86,7 +86,7 @@ def matmul_backend(name: str) -> Iterator[str]:
         _active.reset(token)
 
 
-def active() -> str:
+def active_backend() -> str:
     """The backend in use: 'blas' or 'onednn'."""
     return _active.get()
 

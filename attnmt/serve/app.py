@@ -140,9 +140,11 @@ def _translate_route(
             http.state.lines = len(request.text)
             check_limits(request, limits)
             options = request_options(translator, request)
-            translator.source_prefix(request.target_lang)  # a multilingual model needs it
-            translator.constraints_of(request.text, request.constraints, options)  # can it
             check_work(translator, request, options, limits)
+            prepared = translator.prepare(
+                request.text, options, request.target_lang, request.prefix,
+                request.constraints, request.markup,
+            )  # fmt: skip
         except RequestError as e:
             return error_response(e.status, str(e))
         except AttnmtError as e:
@@ -151,10 +153,7 @@ def _translate_route(
         if not request.text:
             return answer([], options.n_best, terms)
         try:
-            job = batcher.submit(
-                request.text, options, request.target_lang, request.prefix, request.constraints,
-                request.markup,
-            )  # fmt: skip
+            job = batcher.submit(prepared)
         except queue.Full:
             return error_response(503, f"{limits.max_queue} requests waiting; try again shortly")
         if not await finished(http, job.future):

@@ -8,7 +8,8 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from attnmt.decoding.search import Sampling, SearchOptions
+from attnmt.decoding.request import Prepared
+from attnmt.decoding.search import Sampling
 from attnmt.decoding.translate import Translation
 from attnmt.decoding.translator import Translator
 from attnmt.serve.schema import Limits
@@ -16,12 +17,7 @@ from attnmt.serve.schema import Limits
 
 @dataclass(eq=False)
 class _Job:
-    lines: list[str]
-    options: SearchOptions
-    target_lang: str | None
-    prefix: list[str]  # per line, what its translation starts with ("": nothing)
-    constraints: list[list[str]]  # per line, phrases its translation contains
-    markup: bool = False  # the lines hold tags (translate --markup)
+    prepared: Prepared  # the request's lines, checked and ready to search
     future: Future = field(default_factory=Future)
     done: list[list[Translation]] = field(default_factory=list)  # results of lines[: len(done)]
     cancelled: bool = False  # its client left: no more work for it
@@ -30,9 +26,13 @@ class _Job:
     def kind(self) -> object:
         """Jobs of one kind may share a batch. Sampled lines are seeded by their place in
         the input, so a sampled job is searched alone (its output then equals the CLI's)."""
-        if isinstance(self.options.method, Sampling):
+        if isinstance(self.prepared.options.method, Sampling):
             return self
-        return (self.options, self.target_lang, self.markup)
+        return self.prepared.kind
+
+    @property
+    def lines(self) -> list[str]:
+        return self.prepared.lines
 
 
 class Batcher:
@@ -41,7 +41,8 @@ class Batcher:
     A batch takes the lines of the waiting requests with the oldest one's beam, one line of
     each in turn, up to batch_lines lines and batch_chars characters: a long request is
     searched over several batches, and one that arrives meanwhile joins the next batch
-    instead of waiting for the long one to finish.
+    instead of waiting for the long one to finish. A batch that fails is searched again
+    request by request, so that a failure answers only the request it belongs to.
     """
 
     def __init__(self, translator: Translator, limits: Limits) -> None:
@@ -50,18 +51,9 @@ class Batcher:
         self.batches = 0  # searches run (for /health: batching at work)
         threading.Thread(target=self._run, name="attnmt-search", daemon=True).start()
 
-    def submit(
-        self,
-        lines: list[str],
-        options: SearchOptions,
-        target_lang: str | None = None,
-        prefix: list[str] | None = None,
-        constraints: list[list[str]] | None = None,
-        markup: bool = False,
-    ) -> _Job:
-        """Queue a job (queue.Full when the queue is full)."""
-        n = len(lines)
-        job = _Job(lines, options, target_lang, prefix or [""] * n, constraints or [[]] * n, markup)
+    def submit(self, prepared: Prepared) -> _Job:
+        """Queue a request's prepared lines (queue.Full when the queue is full)."""
+        job = _Job(prepared)
         self.jobs.put_nowait(job)
         return job
 
@@ -106,24 +98,28 @@ class Batcher:
                 return taken
 
     def _search(self, batch: dict[_Job, int]) -> None:
-        parts = [(job, len(job.done), len(job.done) + n) for job, n in batch.items()]
-        lines = [line for job, start, end in parts for line in job.lines[start:end]]
-        prefix = [p for job, start, end in parts for p in job.prefix[start:end]]
-        wanted = [c for job, start, end in parts for c in job.constraints[start:end]]
-        first, start = parts[0][0], parts[0][1]  # a sampled job is alone: seeds from start
+        parts = [
+            (job, job.prepared.part(len(job.done), len(job.done) + n)) for job, n in batch.items()
+        ]
+        first_line = len(parts[0][0].done)  # a sampled job is alone: seeds from its start
         try:
-            out = self.translator.search(
-                lines, first.options, first_line=start, target_lang=first.target_lang,
-                prefix=prefix if any(prefix) else None, constraints=wanted, markup=first.markup,
-            )  # fmt: skip
+            out = self.translator.decode(
+                Prepared.join([p for _, p in parts]), first_line=first_line
+            )
         except Exception as e:  # the server answers 500 and keeps serving
-            for job in batch:
-                job.future.set_exception(e)
+            if len(parts) > 1:  # whose failure it is: each request alone
+                for job, n in batch.items():
+                    self._search({job: n})
+                return
+            parts[0][0].future.set_exception(e)
             return
         self.batches += 1
         at = 0
-        for job, start, end in parts:
-            job.done.extend(out[at : at + end - start])
-            at += end - start
-            if len(job.done) == len(job.lines):
+        for job, part in parts:
+            try:
+                job.done.extend(part.finish(out[at : at + len(part)]))
+            except Exception as e:  # its own tags, say: its own failure
+                job.future.set_exception(e)
+            at += len(part)
+            if len(job.done) == len(job.lines) and not job.future.done():
                 job.future.set_result(job.done)

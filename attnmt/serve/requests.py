@@ -15,7 +15,6 @@ from pydantic import ValidationError
 from attnmt.decoding.search import Beam, SearchOptions, output_limit
 from attnmt.decoding.translate import Translation
 from attnmt.decoding.translator import Translator
-from attnmt.errors import AttnmtError
 from attnmt.serve.schema import MAX_PHRASES, Limits, TranslateRequest
 
 
@@ -86,27 +85,8 @@ def parse_request(body: bytes) -> TranslateRequest:
 
 
 def check_limits(request: TranslateRequest, limits: Limits) -> None:
-    """413 for more lines, or a longer line (or prefix), than the limits allow; 422 for a
-    prefix list that does not match the lines."""
-    if request.prefix is not None:
-        if len(request.prefix) != len(request.text):
-            raise RequestError(
-                422, f"prefix: {len(request.prefix)} prefixes for {len(request.text)} lines"
-            )
-        for i, p in enumerate(request.prefix):
-            if len(p) > limits.max_chars:
-                raise RequestError(
-                    413, f"prefix[{i}]: {len(p)} characters; at most {limits.max_chars}"
-                )
-    if request.constraints is not None:
-        if len(request.constraints) != len(request.text):
-            raise RequestError(422, f"constraints: {len(request.constraints)} lists for "
-                                    f"{len(request.text)} lines")  # fmt: skip
-        for i, c in enumerate(request.constraints):
-            if len(c) > MAX_PHRASES or sum(map(len, c)) > limits.max_chars:
-                raise RequestError(413, f"constraints[{i}]: {len(c)} phrases of "
-                                        f"{sum(map(len, c))} characters; at most {MAX_PHRASES} "
-                                        f"of {limits.max_chars} in all")  # fmt: skip
+    """413 for more lines, or a longer line, prefix or list of phrases, than the server's
+    limits allow (what decoding checks itself, such as a prefix per line, it checks once)."""
     if len(request.text) > limits.max_lines:
         raise RequestError(413, f"{len(request.text)} lines; at most {limits.max_lines} a request")
     for i, line in enumerate(request.text):
@@ -114,6 +94,14 @@ def check_limits(request: TranslateRequest, limits: Limits) -> None:
             raise RequestError(
                 413, f"text[{i}]: {len(line)} characters; at most {limits.max_chars}"
             )
+    for i, p in enumerate(request.prefix or []):
+        if len(p) > limits.max_chars:
+            raise RequestError(413, f"prefix[{i}]: {len(p)} characters; at most {limits.max_chars}")
+    for i, c in enumerate(request.constraints or []):
+        if len(c) > MAX_PHRASES or sum(map(len, c)) > limits.max_chars:
+            raise RequestError(413, f"constraints[{i}]: {len(c)} phrases of "
+                                    f"{sum(map(len, c))} characters; at most {MAX_PHRASES} "
+                                    f"of {limits.max_chars} in all")  # fmt: skip
 
 
 def check_work(
@@ -158,8 +146,6 @@ def attention_bound(
 def request_options(translator: Translator, request: TranslateRequest) -> SearchOptions:
     """The request's search, checked as the CLI's options are (an AttnmtError: 422)."""
     draws = request.sampling
-    if draws is not None and request.beam is not None:
-        raise AttnmtError("sampling draws instead of searching: drop beam")
     sampling = None if draws is None else (draws.temperature, draws.top_k, draws.seed)
     spec = translator.alignment_spec() if request.alignments or request.markup else None
     return translator.options(request.beam, request.n_best, request.length_penalty, spec, sampling)

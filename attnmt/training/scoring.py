@@ -85,7 +85,7 @@ def score_test_sets(
     model: Seq2Seq, tokenizer: Tokenizer, cfg: Config, device: torch.device
 ) -> list[TestResult]:
     """Translate each data.test set (decode section, beam decode.beam) and score it: every
-    line counts (evaluate.score_translations, as `attnmt eval`)."""
+    line counts (decoding.translate.score_translations, as `attnmt eval`)."""
     sets, results = cfg.data.test_sets, []
     for split, name in zip(sets, set_names(sets), strict=True):
         sources, references = read_test_set(split)

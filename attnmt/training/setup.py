@@ -27,7 +27,7 @@ from attnmt.device import (
     resolve_precision,
 )
 from attnmt.errors import CheckpointError, ConfigError
-from attnmt.kernels.matmul import active as active_backend
+from attnmt.kernels.matmul import active_backend
 from attnmt.models.build import build_model
 from attnmt.models.directory import (
     LAST_FILE,

@@ -228,7 +228,7 @@ def test_train_translate_eval_end_to_end(tmp_path: Path, corpus, run_cli, arch, 
                 )  # fmt: skip
                 assert r.code == 0, r.stderr
                 assert out4.read_text() == out.read_text()
-                assert matmul.active() == "blas", "translate must not leave its backend set"
+                assert matmul.active_backend() == "blas", "translate must not leave its backend set"
     assert_user_error(
         run_cli("translate", "-m", str(model), "--matmul", "mkl", stdin=b"x\n"),
         "--matmul 'mkl': expected auto, blas, onednn",

@@ -8,7 +8,7 @@ import torch
 from attnmt import Translator
 from attnmt.decoding.constraints import Constraints, Wanted
 from attnmt.decoding.search import Beam, SearchOptions, decode
-from attnmt.decoding.translate import translate
+from attnmt.decoding.translate import search_lines
 
 from conftest import make_pairs
 from helpers import random_batch, tiny_model
@@ -46,7 +46,7 @@ def test_every_translation_holds_its_constraints(trained, n_best):
     phrases = [["t3"], ["t8 t2", "t5"], []] * 8
     options = SearchOptions(Beam(4, 1.0, n_best), max_len_a=2.0, max_len_b=8)
     ids = phrase_ids(translator, phrases)
-    found = translate(model, tok, LINES, options, batch_tokens=200, constraints=ids)
+    found = search_lines(model, tok, LINES, options, batch_tokens=200, constraints=ids)
     for line, results in zip(phrases, found, strict=True):
         assert len(results) == n_best
         assert results[0].unmet == 0, (line, results[0].text)
@@ -61,9 +61,9 @@ def test_lines_without_constraints_translate_as_without_the_option(trained):
     translator = Translator.load(trained[0], device="cpu")
     tok, model = translator.tokenizer, translator.model
     options = SearchOptions(Beam(4, 1.0, 2), max_len_a=2.0, max_len_b=8)
-    free = translate(model, tok, LINES, options, batch_tokens=10_000)
+    free = search_lines(model, tok, LINES, options, batch_tokens=10_000)
     phrases = phrase_ids(translator, [["t4"] if i % 2 else [] for i in range(len(LINES))])
-    mixed = translate(model, tok, LINES, options, batch_tokens=10_000, constraints=phrases)
+    mixed = search_lines(model, tok, LINES, options, batch_tokens=10_000, constraints=phrases)
     for i in range(0, len(LINES), 2):
         assert [r.text for r in mixed[i]] == [r.text for r in free[i]]
         assert [r.score for r in mixed[i]] == pytest.approx([r.score for r in free[i]], rel=1e-5)
@@ -87,7 +87,7 @@ def test_the_length_limit_before_the_constraints_is_said(trained, capsys):
     tok, model = translator.tokenizer, translator.model
     options = SearchOptions(Beam(3, 1.0, 1), max_len_a=0.0, max_len_b=2)
     ids = phrase_ids(translator, [["t1 t2 t3 t4"], []])
-    found = translate(model, tok, LINES[:2], options, batch_tokens=200, constraints=ids)
+    found = search_lines(model, tok, LINES[:2], options, batch_tokens=200, constraints=ids)
     assert found[0][0].unmet == 1 and found[1][0].unmet == 0
     assert "input line 1: 1 of 1 constraints not met" in capsys.readouterr().err
 

@@ -7,7 +7,7 @@ import pytest
 
 from attnmt import Translator
 from attnmt.decoding.search import Beam, Greedy, SearchOptions
-from attnmt.decoding.translate import translate
+from attnmt.decoding.translate import search_lines
 from attnmt.errors import AttnmtError
 from attnmt.serve.schema import Limits
 
@@ -22,10 +22,10 @@ def test_the_models_own_start_as_prefix_changes_nothing(trained, method):
     translator = Translator.load(trained[0], device="cpu")
     tok, model = translator.tokenizer, translator.model
     options = SearchOptions(method, max_len_a=0.0, max_len_b=12)
-    free = translate(model, tok, LINES, options, batch_tokens=400)
+    free = search_lines(model, tok, LINES, options, batch_tokens=400)
     # Each line's own first pieces (two, or all if shorter) as its prefix: the same outputs.
     heads = [[tok.tgt.sp.piece_to_id(p) for p in r[0].tgt_pieces[:2] if p != "</s>"] for r in free]
-    forced = translate(model, tok, LINES, options, batch_tokens=400, target_prefix=heads)
+    forced = search_lines(model, tok, LINES, options, batch_tokens=400, target_prefix=heads)
     assert [r[0].text for r in forced] == [r[0].text for r in free]
     assert [r[0].score for r in forced] == pytest.approx([r[0].score for r in free], rel=1e-5)
 

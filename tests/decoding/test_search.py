@@ -20,7 +20,7 @@ from attnmt.decoding.search import (
     max_output_lengths,
     output_limit,
 )
-from attnmt.decoding.translate import for_decoding, translate
+from attnmt.decoding.translate import for_decoding, search_lines
 from attnmt.device import PRECISION_DTYPES
 from attnmt.errors import AttnmtError
 from attnmt.kernels import argmax_rows, topk_rows
@@ -248,9 +248,9 @@ def test_same_output_whatever_batch_size_and_order(trained, beam):
     lines[3] = ""
     lines[7] = " ".join(["w1", "w2"] * 40)  # a long line: translated up to the limit
     opts = SearchOptions(beam_or_greedy(beam, n_best=beam))
-    one = translate(model, tok, lines, opts, batch_tokens=1)
-    many = translate(model, tok, lines, opts, batch_tokens=10_000, batch_sentences=4)
-    rev = translate(model, tok, lines[::-1], opts, batch_tokens=50)[::-1]
+    one = search_lines(model, tok, lines, opts, batch_tokens=1)
+    many = search_lines(model, tok, lines, opts, batch_tokens=10_000, batch_sentences=4)
+    rev = search_lines(model, tok, lines[::-1], opts, batch_tokens=50)[::-1]
     texts = [[t.text for t in r] for r in one]
     assert texts == [[t.text for t in r] for r in many] == [[t.text for t in r] for r in rev]
     assert len(one) == 15 and all(len(r) == beam for r in one)
@@ -269,7 +269,7 @@ def test_parallel_workers_give_the_same_translations(
     model, tok, _, _ = trained
     lines, _ = make_pairs(13, 21)
     opts = SearchOptions(beam_or_greedy(beam, n_best=beam), attention=AttentionSpec())
-    serial = translate(model, tok, lines, opts, batch_tokens=10_000, batch_sentences=2)
+    serial = search_lines(model, tok, lines, opts, batch_tokens=10_000, batch_sentences=2)
     import attnmt.decoding.search as search_module
 
     # Per batch searched: process id, thread name, its intra-op threads (a file, so that
@@ -288,7 +288,7 @@ def test_parallel_workers_give_the_same_translations(
     threads = torch.get_num_threads()
     torch.set_num_threads(4)
     try:
-        parallel = translate(
+        parallel = search_lines(
             model, tok, lines, opts, batch_tokens=10_000, batch_sentences=2, workers=workers
         )
         assert torch.get_num_threads() == 4  # the caller's setting is left alone
@@ -316,17 +316,17 @@ def test_parallel_workers_give_the_same_translations(
 def test_a_worker_process_that_dies_ends_with_one_clear_error(trained, monkeypatch):
     model, tok, _, _ = trained
     lines, _ = make_pairs(6, 22)
-    import attnmt.decoding.translate as evaluate
+    import attnmt.decoding.translate
 
     def dying(job, batch):  # as a worker killed by the OS (out of memory) would end
         os._exit(9)
 
-    monkeypatch.setattr(evaluate._SearchJob, "__call__", dying)
+    monkeypatch.setattr(attnmt.decoding.translate._SearchJob, "__call__", dying)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         with pytest.raises(AttnmtError, match="search worker process ended unexpectedly"):
-            translate(
+            search_lines(
                 model, tok, lines, SearchOptions(beam_or_greedy(1)), batch_tokens=10_000,
                 batch_sentences=2, workers=2,
             )  # fmt: skip
@@ -338,7 +338,7 @@ def test_attention_weights_follow_the_hypothesis(trained):
     model, tok, _, _ = trained
     lines, _ = make_pairs(4, 12)
     for beam in (1, 3):
-        out = translate(
+        out = search_lines(
             model,
             tok,
             lines,

@@ -75,6 +75,10 @@ def test_constraints_and_applied_terms_over_http(trained, tmp_path):
             " t8 " in f" {reply['translations'][0]} " and " t6 " in f" {reply['translations'][1]} "
         )
         bad = httpx.post(f"{url}/translate", json={"text": ["w1"], "constraints": [["a"], []]})
-        assert bad.status_code == 422 and "constraints: 2 lists for 1 lines" in bad.json()["error"]
+        assert (
+            bad.status_code == 422
+            and "constraints: expected a list of phrases per line, 2 for 1 lines"
+            in bad.json()["error"]
+        )
         greedy = httpx.post(f"{url}/translate", json={**body, "beam": 1})
         assert greedy.status_code == 422 and "need beam search" in greedy.json()["error"]

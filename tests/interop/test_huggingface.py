@@ -17,7 +17,7 @@ import sentencepiece as spm  # noqa: E402
 from attnmt import Translator  # noqa: E402
 from attnmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: E402
 from attnmt.decoding.search import Beam, Greedy, SearchOptions  # noqa: E402
-from attnmt.decoding.translate import translate  # noqa: E402
+from attnmt.decoding.translate import search_lines  # noqa: E402
 from attnmt.interop.huggingface import model_rows  # noqa: E402
 
 from conftest import make_pairs  # noqa: E402
@@ -134,7 +134,7 @@ def test_imported_marian_model_equals_transformers(tmp_path, run_cli, activation
     for beam in (1, 4):
         method = Greedy() if beam == 1 else Beam(beam, length_penalty=0.0)
         options = SearchOptions(method, max_len_a=0.0, max_len_b=20, scores=False)
-        ours = [r[0].text for r in translate(model, tok, SOURCES, options, batch_tokens=4000)]
+        ours = [r[0].text for r in search_lines(model, tok, SOURCES, options, batch_tokens=4000)]
         theirs = []
         for s in tok.src.encode(SOURCES):
             found = hf.generate(
@@ -191,7 +191,7 @@ def test_export_to_huggingface_round_trips(tmp_path, run_cli, trained):
     translator = Translator.load(imported, device="cpu")
     tok = translator.tokenizer
     options = SearchOptions(Greedy(), max_len_a=0.0, max_len_b=20, scores=False)
-    ours = translate(translator.model, tok, SOURCES, options, batch_tokens=4000)
+    ours = search_lines(translator.model, tok, SOURCES, options, batch_tokens=4000)
     for s, found in zip(tok.src.encode(SOURCES), ours, strict=True):
         out = hf.generate(
             torch.tensor([[*s, EOS_ID]]), num_beams=1, do_sample=False, max_new_tokens=20,

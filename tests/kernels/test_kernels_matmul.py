@@ -205,16 +205,16 @@ def test_auto_picks_onednn_only_for_non_intel_avx512():
             if expected == "onednn" and not torch.backends.mkldnn.is_available():
                 continue
             with matmul.matmul_backend("auto") as name:
-                assert name == expected == matmul.active()
+                assert name == expected == matmul.active_backend()
 
 
 def test_the_backend_is_scoped():
-    before = matmul.active()
+    before = matmul.active_backend()
     with matmul.matmul_backend("onednn"), matmul.matmul_backend("blas"):
-        assert matmul.active() == "blas"
-    assert matmul.active() == before
+        assert matmul.active_backend() == "blas"
+    assert matmul.active_backend() == before
     with pytest.raises(RuntimeError), matmul.matmul_backend("onednn"):
         raise RuntimeError("a failure inside the block")
-    assert matmul.active() == before
+    assert matmul.active_backend() == before
     with pytest.raises(ValueError, match="auto, blas, onednn"):
         matmul.resolve("mkl")

@@ -133,7 +133,7 @@ def test_the_api_is_closed_and_errors_have_one_shape(server):
     r = httpx.post(f"{url}/translate", json={"text": ["w1"], "beam": 2, "n_best": 3})
     assert r.status_code == 422 and "n_best 3 exceeds the beam size 2" in r.json()["error"]
     r = httpx.post(f"{url}/translate", json={"text": ["w1"], "beam": 2, "sampling": {}})
-    assert r.status_code == 422 and "drop beam" in r.json()["error"]
+    assert r.status_code == 422 and "drop the beam" in r.json()["error"]
     for r, status in ((httpx.get(f"{url}/nowhere"), 404), (httpx.get(f"{url}/translate"), 405)):
         assert r.status_code == status and set(r.json()) == {"error"}, r.text
     schema = httpx.get(f"{url}/openapi.json").json()

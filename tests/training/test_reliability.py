@@ -475,3 +475,18 @@ def test_output_is_never_partial_after_kill_9(model: Path, tmp_path: Path):
     proc.kill()
     proc.wait()
     assert not out.exists() or out.read_text().count("\n") == n
+
+
+def test_a_long_line_in_a_later_chunk_names_its_own_line(model: Path, monkeypatch, capsys):
+    """The cut's warning counts the lines of the chunks before (a streamed input)."""
+    import attnmt.decoding.translator
+
+    cfg_file = model / "config.yaml"
+    cfg_file.write_text(cfg_file.read_text().replace("max_src_len: 1000", "max_src_len: 8"))
+    monkeypatch.setattr(attnmt.decoding.translator, "CHUNK_LINES", 2)
+    translator = attnmt.decoding.translator.Translator.load(model, "cpu")
+    lines = ["w1", "w2", "w1", "w2 " * 30]  # the long one is the second chunk's second line
+    done = list(translator.stream(iter(lines), translator.options(1)))
+    assert [len(chunk) for chunk, _ in done] == [2, 2]
+    err = capsys.readouterr().err
+    assert "input line 4:" in err and "input line 2:" not in err
