@@ -1,8 +1,9 @@
 """The config schema: typed and closed (unknown keys are errors), YAML loading, `--set` overrides.
 
 Every key has a default except the data paths; docs/configuration.md documents each one.
-Relative data paths are resolved against the current working directory when the config is loaded, and the
-resolved config (absolute paths, defaults filled in) is what the model directory stores.
+Relative data paths are resolved against the current working directory when the config is
+loaded, and the resolved config (absolute paths, defaults filled in) is what the model
+directory stores.
 """
 
 from __future__ import annotations
@@ -476,6 +477,12 @@ def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
             children = []
         sizes[id(node)] = 1 + sum(_expanded_size(c, sizes) for c in children)
     return sizes[id(node)]
+
+
+def safe_yaml(text: str) -> Any:
+    """A YAML text's value: safe tags only, aliases that expand to over MAX_CONFIG_VALUES
+    values refused (yaml.YAMLError) before anything reads them."""
+    return yaml.load(text, Loader=_BoundedLoader)
 
 
 def read_yaml(path: Path) -> Any:

@@ -28,3 +28,7 @@ class TrainingInterrupted(Exception):
         super().__init__(f"signal {signum} at step {step}")
         self.signum = signum
         self.step = step
+
+
+class TooMuchWork(AttnmtError):
+    """A request that would take more work than attnmt allows (served as 413)."""

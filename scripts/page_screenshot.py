@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """The README's screenshot of `attnmt serve`'s page (docs/page.png), made with the browser test's
-own code (tests/apps/test_page.py) against a real model:
+own code (tests/serve/test_page.py) against a real model:
 
     python scripts/page_screenshot.py --model runs/transformer_30m --output docs/page.png
 """

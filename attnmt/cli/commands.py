@@ -259,18 +259,35 @@ def split_corpus(
         "--max-words", min=1, help="Drop pairs with a longer side (words).")] = 200,
     max_ratio: Annotated[float, typer.Option(
         "--max-ratio", min=1.0, help="Drop pairs whose sides' lengths differ more.")] = 3.0,
+    src_field: Annotated[int, typer.Option(
+        "--src-field", min=1, help="--tsv: the source's column (from 1).")] = 1,
+    tgt_field: Annotated[int, typer.Option(
+        "--tgt-field", min=1, help="--tsv: the target's column (from 1).")] = 2,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Replace train/dev/test files that exist in --out.")] = False,
 ) -> None:  # fmt: skip
     """Clean one's own corpus (duplicates, empty or copied sides, over-long and misaligned
     pairs) and split it by unique source sentence into train, dev and test."""
-    from attnmt.data.split import Rules, SplitCounts, clean, read_corpora, split, write_splits
+    from attnmt.data.split import (
+        Rules,
+        SplitCounts,
+        check_outputs,
+        clean,
+        read_corpora,
+        split,
+        write_splits,
+    )
 
     src, tgt, tsv = src or [], tgt or [], tsv or []
     if len(src) != len(tgt):
         raise AttnmtError(f"{len(src)} --src but {len(tgt)} --tgt: give them in pairs")
     if not tsv and not src:
         raise AttnmtError("give a corpus: --tsv FILE, or --src FILE --tgt FILE")
+    if src_field == tgt_field:
+        raise AttnmtError(f"--src-field and --tgt-field are both {src_field}: two columns")
+    check_outputs(out, [*tsv, *src, *tgt], force)
     counts = SplitCounts()
-    corpora = read_corpora(tsv, zip(src, tgt, strict=True), counts)
+    corpora = read_corpora(tsv, zip(src, tgt, strict=True), counts, (src_field, tgt_field))
     pairs = clean(corpora, Rules(max_words, max_ratio), counts)
     write_splits(out, split(pairs, dev, test, seed, counts), counts)
     typer.echo(f"attnmt: {counts.read:,} pairs read", err=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import hashlib
 import io
 import json
@@ -110,7 +111,8 @@ def atomic_directory(out: Path, what: str) -> Iterator[Path]:
     fails (a full disk, RLIMIT_FSIZE) is a WriteError naming `out`, `what` and the free space."""
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        _remove_abandoned(out)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.", dir=out.parent))
     except OSError as e:
         raise WriteError(f"{out}: cannot write there ({e.strerror or e})") from None
     try:
@@ -123,6 +125,25 @@ def atomic_directory(out: Path, what: str) -> Iterator[Path]:
         raise WriteError(f"{out}: cannot write {what} ({reason(e)}; {free_space(tmp)})") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove_abandoned(out: Path) -> None:
+    """Remove the temporary directories of `out` left by a process that was killed (its pid,
+    in the name, no longer runs): nothing else cleans them up."""
+    for tmp in out.parent.glob(f".{glob.escape(out.name)}.*.*"):
+        pid = tmp.name[len(out.name) + 2 :].split(".")[0]
+        if tmp.is_dir() and pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

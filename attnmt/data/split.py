@@ -39,11 +39,17 @@ class Rules:
     ratio_min_words: int = 5  # the ratio rule applies where the longer side has this many
 
 
-def read_corpora(tsvs: Iterable[Path], pairs: Iterable[tuple[Path, Path]], counts: SplitCounts):
-    """Every (source, target) pair of the corpora, stripped, empty sides dropped (counted)."""
+def read_corpora(
+    tsvs: Iterable[Path],
+    pairs: Iterable[tuple[Path, Path]],
+    counts: SplitCounts,
+    fields: tuple[int, int] = (1, 2),
+):
+    """Every (source, target) pair of the corpora, stripped, empty sides dropped (counted);
+    `fields`: the TSV columns of the source and the target, from 1."""
     empty = PairCounts()
     for path in tsvs:
-        yield from read_tsv(path, 1, 2, empty)
+        yield from read_tsv(path, *fields, empty)
     for src, tgt in pairs:
         yield from read_pairs(src, tgt, empty)
     counts.read += empty.read
@@ -96,6 +102,21 @@ def split(
     if dropped:
         counts.dropped["another translation of a dev/test source"] = dropped
     return out
+
+
+def check_outputs(out: Path, inputs: Iterable[Path], force: bool) -> None:
+    """Refuse, before anything is read, an --out whose files would replace an input, or that
+    exist already (unless `force`), or an --out that is a file."""
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out {out}: exists and is not a directory")
+    given = [p.resolve() for p in inputs]
+    for name in SPLITS:
+        for suffix in ("src", "tgt"):
+            path = out / f"{name}.{suffix}"
+            if path.resolve() in given:
+                raise DataError(f"--out {out}: {path} is an input; write the splits elsewhere")
+            if path.exists() and not force:
+                raise DataError(f"--out {out}: {path} exists; --force replaces it")
 
 
 def write_splits(out: Path, found: dict[str, list[tuple[str, str]]], counts: SplitCounts) -> None:

@@ -24,9 +24,12 @@ from attnmt.errors import DataError
 
 def decode_line(raw: bytes, name: str, number: int) -> str:
     """One line's bytes (without its '\n'; a trailing '\r' is dropped) as UTF-8, or a
-    DataError naming name:number and the bad byte."""
+    DataError naming name:number and the bad byte. A UTF-8 byte order mark starting the first
+    line is dropped (editors on Windows write one): it is not text."""
     if raw.endswith(b"\r"):
         raw = raw[:-1]
+    if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -12,6 +12,9 @@ aligned, and a self-closing tag, goes before the output word aligned to its firs
 output's tags are therefore always balanced and properly nested, whatever the model does. A
 closing tag with no opening tag is dropped; an opening tag never closed spans to the line's
 end. Entities are decoded for translation and the output text is escaped (&, <, >) again.
+A comment (`<!-- … -->`, or one never closed: to the line's end) and a CDATA section are kept
+as they are, as a self-closing tag is: what they hold is never read as tags nor translated.
+Tags nested deeper than MAX_DEPTH are refused (a line is text, not a document).
 """
 
 from __future__ import annotations
@@ -23,6 +26,11 @@ from dataclasses import dataclass, field
 
 from attnmt.decoding.alignment import word_weights
 from attnmt.decoding.translate import Translation
+from attnmt.errors import AttnmtError
+
+MAX_DEPTH = 64  # tags open at once in a line
+# What stays as it is: a comment (closed, or to the line's end) or a CDATA section.
+OPAQUE = re.compile(r"<!--.*?(?:-->|$)|<!\[CDATA\[.*?(?:\]\]>|$)", re.DOTALL)
 
 # A tag: <name attr="…" …>, </name> or <name …/>; a quoted attribute value may hold < and >.
 TAG = re.compile(
@@ -51,18 +59,21 @@ def parse(line: str) -> tuple[str, Element]:
     root = Element("", "", 0)
     stack, words, text = [root], 0, []
     at = 0
-    for m in [*TAG.finditer(line), None]:
-        chunk = line[at : m.start() if m else len(line)]
-        text.append(html.unescape(chunk))
-        words = len("".join(text).split())
+    for m in [*_tags(line), None]:
+        chunk = html.unescape(line[at : m.start() if m else len(line)])
+        text.append(chunk)
+        words += len(chunk.split())  # each chunk starts a word: a tag ends the one before
         if m is None:
             break
         at = m.end()
-        closing, name, self_closing = m.group(1), m.group(2), m.group(4)
+        opaque = m.re is OPAQUE
+        closing, name, self_closing = ("", "", "x") if opaque else m.group(1, 2, 4)
         text.append(" ")  # a tag ends the word before it: "a<b>big" is "a" then "big"
         if self_closing:
             stack[-1].children.append(Element(m.group(0), "", words, words))
         elif not closing:
+            if len(stack) > MAX_DEPTH:
+                raise AttnmtError(f"markup: tags nested more than {MAX_DEPTH} deep")
             stack.append(Element(m.group(0), "", words))
             stack[-2].children.append(stack[-1])
         elif any(_name(e.open) == name for e in stack[1:]):
@@ -75,6 +86,30 @@ def parse(line: str) -> tuple[str, Element]:
     for e in stack[1:]:  # never closed: to the line's end
         e.end, e.close = words, f"</{_name(e.open)}>"
     return " ".join("".join(text).split()), root
+
+
+def _tags(line: str) -> list[re.Match[str]]:
+    """The line's tags, comments and CDATA sections in order; nothing inside a comment or a
+    CDATA section is a tag."""
+    found: list[re.Match[str]] = []
+    at, opaque = 0, OPAQUE.search(line)
+    for tag in TAG.finditer(line):
+        if tag.start() < at:
+            continue  # inside a comment taken already
+        while opaque is not None and opaque.start() < tag.start():
+            if opaque.start() >= at:
+                found.append(opaque)
+                at = opaque.end()
+            opaque = OPAQUE.search(line, max(at, opaque.start() + 1))
+        if tag.start() >= at:
+            found.append(tag)
+            at = tag.end()
+    while opaque is not None:  # comments after the last tag
+        if opaque.start() >= at:
+            found.append(opaque)
+            at = opaque.end()
+        opaque = OPAQUE.search(line, max(at, opaque.start() + 1)) if at < len(line) else None
+    return found
 
 
 def _name(tag: str) -> str:

@@ -75,15 +75,17 @@ class Shortlist:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 meta = json.loads((f.metadata() or {}).get("attnmt", "{}"))
                 table, frequent = f.get_tensor("table").long(), f.get_tensor("frequent").long()
-        except (SafetensorError, OSError, ValueError, KeyError) as e:
+        except (SafetensorError, OSError, ValueError, KeyError, RecursionError) as e:
             raise CheckpointError(f"{path}: not a shortlist ({str(e)[:200]})") from None
+        if not isinstance(meta, dict) or type(meta.get("pairs", 0)) is not int:
+            raise CheckpointError(f"{path}: not a shortlist (its metadata is not attnmt's)")
         ok = table.dim() == 2 and table.size(0) == src_vocab and frequent.dim() == 1
-        biggest = int(torch.cat([table.flatten(), frequent, torch.tensor([-1])]).max())
-        if not ok or biggest >= tgt_vocab:
+        ids = torch.cat([table.flatten(), frequent]) if ok else torch.tensor([])
+        if not ok or (ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < tgt_vocab):
             raise CheckpointError(
                 f"{path}: made for another vocabulary (rebuild it: attnmt shortlist)"
             )
-        return cls(table, frequent, int(meta.get("pairs", 0)))
+        return cls(table, frequent, meta.get("pairs", 0))
 
 
 def build_shortlist(

@@ -74,6 +74,8 @@ def read_constraints(path: Path) -> Iterator[list[str]]:
             phrases = json.loads(line) if line.strip() else []
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{n}: not JSON ({e.msg}): {line[:80]!r}") from None
+        except RecursionError:
+            raise DataError(f"{path}:{n}: JSON nested too deeply to be a list of phrases") from None
         if not isinstance(phrases, list) or not all(
             isinstance(p, str) and p.strip() for p in phrases
         ):

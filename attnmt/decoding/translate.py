@@ -14,7 +14,7 @@ from attnmt.data.batches import pad_sequences, sorted_batches
 from attnmt.data.processes import map_batches
 from attnmt.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
 from attnmt.decoding.constraints import Wanted
-from attnmt.decoding.search import Hypothesis, Sampling, SearchOptions, decode
+from attnmt.decoding.search import Hypothesis, Sampling, SearchOptions, decode, output_limit
 from attnmt.decoding.shortlist import Shortlist, restricted
 from attnmt.decoding.terminology import Term
 from attnmt.device import PRECISION_DTYPES
@@ -74,18 +74,13 @@ def search_lines(
     outputs = [[Translation("", 0.0, [], [], None) for _ in range(options.n_best)] for _ in lines]
     todo = [i for i, line in enumerate(lines) if line.strip()]
     src = [[*prefix, *s, EOS_ID] for s in tokenizer.src.encode([lines[i].strip() for i in todo])]
-    for j, ids in enumerate(src):
-        if len(ids) > options.max_src_len:  # one very long line must not stall the rest
-            print(
-                f"attnmt: warning: input line {first_line + todo[j] + 1}: {len(ids) - 1:,} "
-                f"subwords, cut to "
-                f"the first {options.max_src_len - 1:,} (decode.max_src_len)",
-                file=sys.stderr,
-            )
-            src[j] = [*ids[: options.max_src_len - 1], EOS_ID]
+    numbers = [first_line + i + 1 for i in todo]  # the input's line numbers, for warnings
+    _cut_long_sources(src, numbers, options)
     batches = list(sorted_batches([len(s) for s in src], batch_tokens, batch_sentences))
 
     wanted = None if target_prefix is None else [list(target_prefix[i]) for i in todo]
+    if wanted is not None:
+        _warn_long_prefixes(src, wanted, numbers, options)
     phrases = None if constraints is None else [[list(p) for p in constraints[i]] for i in todo]
     inner = None if constraints is None else torch.tensor(tokenizer.tgt.word_inner)
     job = _SearchJob(
@@ -116,6 +111,32 @@ def search_lines(
                 )  # fmt: skip
     model.train(was_training)
     return outputs
+
+
+def _cut_long_sources(src: list[list[int]], numbers: list[int], options: SearchOptions) -> None:
+    """In place, with a warning naming the input line: a source longer than
+    decode.max_src_len is cut (one very long line must not stall the rest)."""
+    for j, ids in enumerate(src):
+        if len(ids) > options.max_src_len:
+            print(
+                f"attnmt: warning: input line {numbers[j]}: {len(ids) - 1:,} subwords, cut to "
+                f"the first {options.max_src_len - 1:,} (decode.max_src_len)", file=sys.stderr,
+            )  # fmt: skip
+            src[j] = [*ids[: options.max_src_len - 1], EOS_ID]
+
+
+def _warn_long_prefixes(
+    src: list[list[int]], prefixes: list[list[int]], numbers: list[int], options: SearchOptions
+) -> None:
+    """A warning naming the input line where a prefix is longer than the line's output limit
+    (the search cuts it there)."""
+    for ids, prefix, number in zip(src, prefixes, numbers, strict=True):
+        if len(prefix) >= (limit := output_limit(len(ids), options)):
+            print(
+                f"attnmt: warning: input line {number}: its prefix of {len(prefix):,} pieces is "
+                f"cut to the output limit, {limit - 1:,} pieces (decode.max_len_a, max_len_b, "
+                "max_output_len)", file=sys.stderr,
+            )  # fmt: skip
 
 
 SEED_MASK = 2**63 - 1  # torch generators take seeds below 2 ** 64

@@ -23,7 +23,7 @@ import torch
 
 from attnmt.config import Config
 from attnmt.data.text import CHUNK_LINES, input_chunks
-from attnmt.data.tokenizer import Tokenizer
+from attnmt.data.tokenizer import UNK_ID, Tokenizer
 from attnmt.decoding.alignment import DEFAULT_LAYER, align
 from attnmt.decoding.ensemble import Ensemble
 from attnmt.decoding.forced import ForcedScore, attention_maps, score_pairs
@@ -49,13 +49,14 @@ from attnmt.device import (
     missing_hardware,
     resolve_device,
 )
-from attnmt.errors import AttnmtError
+from attnmt.errors import AttnmtError, TooMuchWork
 from attnmt.kernels import matmul_backend
 from attnmt.kernels.matmul import resolve
 from attnmt.models.directory import BEST_FILE, LAST_FILE, load_model_dir
 from attnmt.models.seq2seq import AttentionSpec, Seq2Seq
 
 T = TypeVar("T")
+MAX_CONSTRAINTS = 32  # phrases a line must contain, its own and its terms
 
 
 @dataclass
@@ -294,7 +295,9 @@ class Translator:
         """Search (or sample) with `options` over lines: what the other methods call, and
         prepare, then decode. `first_line`: the number of lines before these in a longer input
         (sampling seeds); the rest as prepare takes them."""
-        prepared = self.prepare(lines, options, target_lang, prefix, constraints, markup)
+        prepared = self.prepare(
+            lines, options, target_lang, prefix, constraints, markup, first_line
+        )
         return prepared.finish(self.decode(prepared, batch_tokens, workers, first_line))
 
     def prepare(
@@ -305,6 +308,7 @@ class Translator:
         prefix: Sequence[str] | None = None,
         constraints: Sequence[Sequence[str]] | None = None,
         markup: bool = False,
+        first_line: int = 0,
     ) -> Prepared:
         """Check lines and their per-line options and make them ready to search: the one
         check of a request, whoever sends it. `target_lang`: the language to translate into (a
@@ -313,7 +317,8 @@ class Translator:
         none); `constraints`: per line, phrases its translations must contain (lexically
         constrained beam search), joined by the terminology's terms found in the line
         (Translation.terms); `markup`: the lines hold inline tags, translated around
-        (attnmt.decoding.markup)."""
+        (attnmt.decoding.markup); `first_line`: lines before these, for the errors' line
+        numbers."""
         if isinstance(lines, str) or not isinstance(lines, Sequence):
             raise AttnmtError("lines: expected a list of sentences (one str: wrap it in a list)")
         for i, line in enumerate(lines):
@@ -331,7 +336,7 @@ class Translator:
             parsed = [parse(line) for line in lines]
             lines, trees = [text for text, _ in parsed], [tree for _, tree in parsed]
             options = replace(options, attention=options.attention or self.alignment_spec())
-        terms, phrases = self._constraints(lines, constraints, options)
+        terms, phrases = self._constraints(lines, constraints, options, first_line)
         return Prepared(options, list(lines), source_prefix, target_prefix, terms, phrases, trees)
 
     def decode(
@@ -359,14 +364,15 @@ class Translator:
         lines: Sequence[str],
         constraints: Sequence[Sequence[str]] | None,
         options: SearchOptions,
+        first_line: int = 0,
     ) -> tuple[list[list[Term]], list[list[list[int]]] | None]:
         """Per line, the terminology's terms found in it, and the target ids of every phrase
         it must contain (the given ones, then the terms'); None: no line has any."""
         if constraints is not None:
-            if isinstance(constraints, str) or len(constraints) != len(lines):
-                n = "a str" if isinstance(constraints, str) else len(constraints)
-                raise AttnmtError(f"constraints: expected a list of phrases per line, {n} for "
-                                  f"{len(lines)} lines")  # fmt: skip
+            _check_list("constraints", constraints)
+            if len(constraints) != len(lines):
+                raise AttnmtError(f"constraints: expected a list of phrases per line, "
+                                  f"{len(constraints)} for {len(lines)} lines")  # fmt: skip
             for i, c in enumerate(constraints):
                 _check_strs(f"constraints[{i}]", c)
                 if any(not p.strip() for p in c):
@@ -380,8 +386,33 @@ class Translator:
             raise AttnmtError(
                 "constraints and terminology need beam search: a beam of 2 or more, no sampling"
             )
-        encode = self.tokenizer.tgt.encode
-        return terms, [encode([p.strip() for p in dict.fromkeys(t)]) if t else [] for t in texts]
+        return terms, [
+            self._phrases(first_line + i, list(dict.fromkeys(t)), options)
+            for i, t in enumerate(texts)
+        ]
+
+    def _phrases(self, line: int, texts: list[str], options: SearchOptions) -> list[list[int]]:
+        """One line's phrases as target ids, refused where no output could hold them: more
+        than MAX_CONSTRAINTS (a line's own and its terms), longer in all than the longest
+        output, or spelled with pieces the model cannot write (<unk>)."""
+        if len(texts) > MAX_CONSTRAINTS:
+            raise TooMuchWork(
+                f"line {line + 1}: {len(texts)} constraints and terms; at most "
+                f"{MAX_CONSTRAINTS} a line (each one multiplies the search's work)"
+            )
+        found = self.tokenizer.tgt.encode([p.strip() for p in texts]) if texts else []
+        if sum(map(len, found)) > options.max_output_len:
+            raise TooMuchWork(
+                f"line {line + 1}: constraints of {sum(map(len, found)):,} pieces; no output is "
+                f"longer than {options.max_output_len:,} (decode.max_output_len)"
+            )
+        for text, ids in zip(texts, found, strict=True):
+            if UNK_ID in ids:
+                raise AttnmtError(
+                    f"line {line + 1}: the constraint {text[:60]!r} has characters the model "
+                    "cannot write (its vocabulary spells them <unk>)"
+                )
+        return found
 
     def stream(
         self,
@@ -511,8 +542,15 @@ def _check_same_tokenizer(dir_a: Path, a: Tokenizer, dir_b: Path, b: Tokenizer) 
             )
 
 
+def _check_list(name: str, given: object) -> None:
+    """A list (or tuple) given to the API, not a str, a dict, a generator or None."""
+    if not isinstance(given, list | tuple):
+        raise AttnmtError(f"{name}: expected a list, not {type(given).__name__}")
+
+
 def _check_strs(name: str, given: object) -> None:
-    if isinstance(given, str) or not all(isinstance(x, str) for x in given):  # type: ignore[attr-defined]
+    _check_list(name, given)
+    if not all(isinstance(x, str) for x in given):  # type: ignore[attr-defined]
         raise AttnmtError(f"{name}: expected a list of str")
 
 

@@ -16,20 +16,34 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
 from attnmt.config import Config, ModelConfig, from_dict
 from attnmt.data.files import atomic_directory, atomic_write_bytes, check_export_path
 from attnmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, SubwordVocab, Tokenizer
 from attnmt.errors import CheckpointError
+from attnmt.interop.untrusted import (
+    check_fits,
+    check_state,
+    expected_state,
+    json_value,
+    read_bytes,
+    read_pickled_weights,
+    read_safetensors,
+    short,
+)
 from attnmt.models.build import build_model
 from attnmt.models.directory import (
     BEST_FILE,
+    LAST_FILE,
     META_FILE,
     save_weights,
     tokenizer_digest,
@@ -38,6 +52,7 @@ from attnmt.models.directory import (
 )
 from attnmt.models.transformer import sinusoid_table
 
+MAX_POSITIONS = 1 << 16  # rows of a stored position table (OPUS-MT: 512)
 ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "swish": "swish", "silu": "swish"}
 # transformers' layer names -> attnmt's, per encoder and decoder layer.
 ENCODER_NAMES = {
@@ -61,28 +76,37 @@ class Imported:
 
 
 def import_huggingface(source: Path, out: Path, force: bool = False) -> Imported:
-    """Write the attnmt model directory `out` from the MarianMTModel directory `source`."""
+    """Write the attnmt model directory `out` from the MarianMTModel directory `source`.
+    Every file is untrusted (attnmt.interop.untrusted): sizes, types, shapes and values are
+    checked before the model is built."""
     files = _source_files(source)
     check_export_path(source, out, force)  # before any work; never onto what it is made from
-    hf = _read_json(files["config"])
+    hf = json_value(files["config"], "a MarianMTModel's config.json")
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{files['config']}: not a JSON object; not a model's config")
     cfg_model, notes = model_config(hf, files["config"])
+    vocab = read_vocab_json(files["vocab"])
+    spm = [read_bytes(files[k], "a SentencePiece model") for k in ("source_spm", "target_spm")]
+    pad, eos = _id(hf, "pad_token_id", files["config"]), _id(hf, "eos_token_id", files["config"])
+    start = _id(hf, "decoder_start_token_id", files["config"], pad)
+    expected = expected_state(cfg_model, 8, 8, False)
+    check_fits(expected, files["weights"], 2)  # before the weights are read
     weights = _read_weights(files["weights"])
-    vocab = {str(k): int(v) for k, v in _read_json(files["vocab"]).items()}
     shared = _embeddings_shared(hf, weights)
-    joint = files["source_spm"].read_bytes() == files["target_spm"].read_bytes() and shared
+    joint = spm[0] == spm[1] and shared
     paths = [files["source_spm"]] if joint else [files["source_spm"], files["target_spm"]]
     tokenizer = Tokenizer.from_files(paths)
-    pad = int(hf["pad_token_id"])
     special = {  # the decoder starts from decoder_start_token_id: attnmt's BOS takes its row
-        PAD_ID: pad,
-        BOS_ID: int(hf.get("decoder_start_token_id", pad)),
-        EOS_ID: int(hf["eos_token_id"]),
-        UNK_ID: vocab.get("<unk>", pad),
-    }
+        PAD_ID: pad, BOS_ID: start, EOS_ID: eos, UNK_ID: vocab.get("<unk>", pad),
+    }  # fmt: skip
     src_rows, missing_src = model_rows(tokenizer.src, vocab, special)
     tgt_rows, missing_tgt = model_rows(tokenizer.tgt, vocab, special)
-    model = build_model(cfg_model, len(tokenizer.src), len(tokenizer.tgt), joint)
+    _check_rows(weights, src_rows + tgt_rows, files["weights"])
     state = attnmt_state(hf, weights, src_rows, tgt_rows, cfg_model, files["weights"])
+    check_state(
+        state, expected_state(cfg_model, len(src_rows), len(tgt_rows), joint), files["weights"]
+    )
+    model = build_model(cfg_model, len(tokenizer.src), len(tokenizer.tgt), joint)
     model.load_state_dict(state, strict=True)
     cfg = _config(cfg_model, hf, source, out, joint)
     write_imported(out, cfg, tokenizer, model, source, "huggingface")
@@ -93,6 +117,8 @@ def import_huggingface(source: Path, out: Path, force: bool = False) -> Imported
 
 
 def _source_files(source: Path) -> dict[str, Path]:
+    if not source.exists():
+        raise CheckpointError(f"{source}: no such file or directory")
     if not source.is_dir():
         raise CheckpointError(f"{source}: not a directory (a Hugging Face MarianMT model)")
     files = {
@@ -108,33 +134,66 @@ def _source_files(source: Path) -> dict[str, Path]:
     raise CheckpointError(f"{source}: no model.safetensors or pytorch_model.bin")
 
 
-def _read_json(path: Path) -> Any:
-    if path.stat().st_size > 64 << 20:
-        raise CheckpointError(f"{path}: {path.stat().st_size:,} bytes; not a model's JSON file")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not JSON ({e})") from None
-
-
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     """The state dict, read without unpickling code (safetensors, or weights_only)."""
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
+    if path.suffix == ".safetensors":
+        return read_safetensors(path)
+    return read_pickled_weights(path)
 
-            return load_file(str(path))
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # a damaged or crafted file: one line
-        raise CheckpointError(f"{path}: unreadable weights ({type(e).__name__}: {e})") from None
+
+def read_vocab_json(path: Path) -> dict[str, int]:
+    """vocab.json: piece -> id, ids whole numbers from 0, one piece an id."""
+    vocab = json_value(path, "a MarianMT vocab.json")
+    if not isinstance(vocab, dict) or not vocab:
+        raise CheckpointError(f"{path}: expected a JSON object of piece: id")
+    for piece, i in vocab.items():
+        if type(i) is not int or i < 0:
+            raise CheckpointError(f"{path}: {short(piece)} has id {short(i)}; ids count from 0")
+    if len(set(vocab.values())) < len(vocab):
+        raise CheckpointError(
+            f"{path}: several pieces share an id; a vocabulary gives each its own"
+        )
+    return vocab
+
+
+def _id(hf: dict[str, Any], key: str, where: Path, default: int | None = None) -> int:
+    value = hf.get(key, default)
+    if type(value) is not int or value < 0:
+        raise CheckpointError(
+            f"{where}: {key} = {short(value)}: expected an id (a whole number from 0)"
+        )
+    return value
+
+
+def _check_rows(weights: dict[str, torch.Tensor], rows: list[int], where: Path) -> None:
+    """Every id the vocabulary and the config name must be a row of the embeddings."""
+    n = min(_embedding(weights, s).size(0) for s in ("encoder", "decoder"))
+    if rows and max(rows) >= n:
+        raise CheckpointError(f"{where}: id {max(rows)} is past the embeddings' {n:,} rows")
 
 
 def model_config(hf: dict[str, Any], where: Path) -> tuple[ModelConfig, list[str]]:
     """The attnmt model section of a MarianConfig, or CheckpointError naming the setting that
-    attnmt's Transformer cannot express."""
+    attnmt's Transformer cannot express (or a value of the wrong type)."""
 
     def refuse(setting: str, why: str) -> CheckpointError:
-        return CheckpointError(f"{where}: {setting} = {hf.get(setting)!r}: {why}")
+        return CheckpointError(f"{where}: {setting} = {short(hf.get(setting))}: {why}")
+
+    def whole(key: str) -> int:
+        if type(hf.get(key)) is not int:
+            raise refuse(key, "expected a whole number")
+        return hf[key]
+
+    def flag(key: str, default: bool) -> bool:
+        if type(hf.get(key, default)) is not bool:
+            raise refuse(key, "expected true or false")
+        return hf.get(key, default)
+
+    def number(key: str, default: float) -> float:
+        value = hf.get(key, default)
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise refuse(key, "expected a number")
+        return float(value)
 
     if hf.get("model_type") != "marian":
         raise refuse("model_type", "attnmt imports MarianMT models only")
@@ -142,27 +201,37 @@ def model_config(hf: dict[str, Any], where: Path) -> tuple[ModelConfig, list[str
         raise refuse("decoder_attention_heads", "attnmt has one head count for both stacks")
     if hf.get("encoder_ffn_dim") != hf.get("decoder_ffn_dim"):
         raise refuse("decoder_ffn_dim", "attnmt has one feed-forward width for both stacks")
-    if hf.get("activation_function") not in ACTIVATIONS:
+    if (
+        not isinstance(hf.get("activation_function"), str)
+        or hf["activation_function"] not in ACTIVATIONS
+    ):
         raise refuse("activation_function", f"attnmt has {', '.join(sorted(ACTIVATIONS))}")
-    if not hf.get("scale_embedding", False):
+    if not flag("scale_embedding", False):
         raise refuse("scale_embedding", "attnmt scales embeddings by sqrt(d)")
-    for flag in ("normalize_before", "add_final_layer_norm", "normalize_embedding"):
-        if hf.get(flag):
-            raise refuse(flag, "attnmt imports post-norm models without extra norms")
+    for key in ("normalize_before", "add_final_layer_norm", "normalize_embedding"):
+        if flag(key, False):
+            raise refuse(key, "attnmt imports post-norm models without extra norms")
     if hf.get("decoder_vocab_size") not in (None, hf.get("vocab_size")):
         raise refuse("decoder_vocab_size", "attnmt imports one vocabulary for both sides")
     notes = []
-    if hf.get("dropout", 0.1) != hf.get("attention_dropout", 0.0):
+    if number("dropout", 0.1) != number("attention_dropout", 0.0):
         notes.append("dropout and attention_dropout kept as the source has them")
-    d = int(hf["d_model"])
-    cfg = ModelConfig(
-        arch="transformer", emb_size=d, hidden_size=d, heads=int(hf["encoder_attention_heads"]),
-        ff_size=int(hf["encoder_ffn_dim"]), enc_layers=int(hf["encoder_layers"]),
-        dec_layers=int(hf["decoder_layers"]), dropout=float(hf.get("dropout", 0.1)),
-        attention_dropout=float(hf.get("attention_dropout", 0.0)), norm="post",
-        activation=ACTIVATIONS[hf["activation_function"]], positions="halves", output_bias=True,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-    )  # fmt: skip
+    d = whole("d_model")
+    try:
+        cfg = ModelConfig(
+            arch="transformer", emb_size=d, hidden_size=d, heads=whole("encoder_attention_heads"),
+            ff_size=whole("encoder_ffn_dim"), enc_layers=whole("encoder_layers"),
+            dec_layers=whole("decoder_layers"), dropout=number("dropout", 0.1),
+            attention_dropout=number("attention_dropout", 0.0), norm="post",
+            activation=ACTIVATIONS[hf["activation_function"]], positions="halves",
+            output_bias=True, tie_embeddings=flag("tie_word_embeddings", True),
+        )  # fmt: skip
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise CheckpointError(
+            f"{where}: {first['loc'][0] if first['loc'] else 'config'}: {first['msg']} "
+            f"(from the source's config)"
+        ) from None
     return cfg, notes
 
 
@@ -208,6 +277,11 @@ def attnmt_state(
 ) -> dict[str, torch.Tensor]:
     """attnmt's state dict from transformers' (names mapped, vocabulary rows reordered)."""
     used = {"final_logits_bias", "lm_head.weight", "model.shared.weight"}
+    if not cfg.tie_embeddings and "lm_head.weight" not in weights:
+        raise CheckpointError(
+            f"{where}: tie_word_embeddings is false but there is no lm_head.weight (the output "
+            "layer of an untied model)"
+        )
     bias = weights.get("final_logits_bias")  # (1, V)
     state = {
         "src_embed.embed.weight": _embedding(weights, "encoder")[src_rows],
@@ -263,6 +337,11 @@ def _check_positions(weights: dict[str, torch.Tensor], cfg: ModelConfig, where: 
         table = weights.get(f"model.{stack}.embed_positions.weight")
         if table is None:
             continue
+        if table.dim() != 2 or table.size(1) != cfg.emb_size or table.size(0) > MAX_POSITIONS:
+            raise CheckpointError(
+                f"{where}: model.{stack}.embed_positions is {tuple(table.shape)}; expected (at "
+                f"most {MAX_POSITIONS:,}, {cfg.emb_size}), the sinusoid table of d_model"
+            )
         ours = sinusoid_table(table.size(0), table.size(1), layout=cfg.positions)
         if not torch.allclose(table.float(), ours, atol=1e-4):
             raise CheckpointError(
@@ -326,6 +405,11 @@ def export_huggingface(
     from attnmt.models.directory import load_model_dir
 
     check_export_path(model_dir, out, force)  # before any work; never onto the model itself
+    if weights == "best" and not (model_dir / BEST_FILE).is_file():
+        print(
+            f"attnmt: note: {model_dir} has no {BEST_FILE} yet; exporting {LAST_FILE}",
+            file=sys.stderr,
+        )
     cfg, tokenizer, model = load_model_dir(model_dir, weights)
     m = cfg.model
     why = (

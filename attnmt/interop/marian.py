@@ -23,13 +23,23 @@ from typing import Any
 
 import numpy as np
 import torch
-import yaml
+from pydantic import ValidationError
 
 from attnmt.config import Config, ModelConfig, from_dict
 from attnmt.data.files import check_export_path
 from attnmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 from attnmt.errors import CheckpointError
 from attnmt.interop.huggingface import Imported, model_rows, write_imported
+from attnmt.interop.untrusted import (
+    check_fits,
+    check_state,
+    expected_state,
+    read_bytes,
+    read_npz,
+    read_text,
+    short,
+    yaml_value,
+)
 from attnmt.models.build import build_model
 
 ACTIVATIONS = ("relu", "swish", "gelu")
@@ -62,13 +72,20 @@ class NativeFiles:
 
 def import_marian(source: Path, out: Path, force: bool = False, spm: list[Path] = ()) -> Imported:
     """Write the attnmt model directory `out` from the Marian model `source` (a directory
-    with decoder.yml, a decoder.yml, or a model.npz with `<npz>.decoder.yml` beside it)."""
+    with decoder.yml, a decoder.yml, or a model.npz with `<npz>.decoder.yml` beside it).
+    Every file is untrusted (attnmt.interop.untrusted): the model's options are read first,
+    and every array's name and size checked against them before any array is read."""
     files = native_files(source, list(spm))
     check_export_path(source, out, force)
-    arrays = read_npz(files.npz)
-    options = model_options(arrays.pop("special:model.yml"), files.npz)
+    options = model_options(files.npz)
     cfg_model = native_config(options, files.npz)
+    expected = expected_state(cfg_model, 8, 8, False)
+    check_fits(expected, files.npz, 2)
+    arrays = read_npz(files.npz, _known_arrays(cfg_model))
+    arrays.pop("special:model.yml")
     joint = files.spm[0] == files.spm[1] and bool(options.get("tied-embeddings-all"))
+    for path in set(files.spm):
+        read_bytes(path, "a SentencePiece model")  # its size, before SentencePiece reads it
     tokenizer = Tokenizer.from_files([files.spm[0]] if joint else list(files.spm))
     rows = []
     for side, path in zip((tokenizer.src, tokenizer.tgt), files.vocabs, strict=True):
@@ -79,8 +96,12 @@ def import_marian(source: Path, out: Path, force: bool = False, spm: list[Path] 
         eos = vocab["</s>"]  # padding and the start token take a row; see native_state
         special = {PAD_ID: eos, BOS_ID: eos, EOS_ID: eos, UNK_ID: vocab["<unk>"]}
         rows.append(model_rows(side, vocab, special))
-    model = build_model(cfg_model, len(tokenizer.src), len(tokenizer.tgt), joint)
+    _check_rows(arrays, rows[0][0] + rows[1][0], files.npz)
     state = native_state(arrays, options, cfg_model, rows[0][0], rows[1][0], files.npz)
+    check_state(
+        state, expected_state(cfg_model, len(rows[0][0]), len(rows[1][0]), joint), files.npz
+    )
+    model = build_model(cfg_model, len(tokenizer.src), len(tokenizer.tgt), joint)
     model.load_state_dict(state, strict=True)
     write_imported(out, config(cfg_model, files, out, joint), tokenizer, model, source, "marian")
     return Imported(
@@ -92,6 +113,8 @@ def import_marian(source: Path, out: Path, force: bool = False, spm: list[Path] 
 def native_files(source: Path, spm: list[Path]) -> NativeFiles:
     """The model, vocabularies and SentencePiece models of a Marian model, from its decoder
     config; relative paths are taken from the config's folder, then the current one."""
+    if not source.exists():
+        raise CheckpointError(f"{source}: no such file or directory")
     if source.is_dir():
         found = sorted(source.glob("decoder.yml")) or sorted(source.glob("*.decoder.yml"))
         if not found:
@@ -103,14 +126,19 @@ def native_files(source: Path, spm: list[Path]) -> NativeFiles:
         decoder = source
     if not decoder.is_file():
         raise CheckpointError(f"{source}: no decoder config {decoder}")
-    try:
-        conf = yaml.safe_load(decoder.read_text(encoding="utf-8")) or {}
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{decoder}: not a YAML decoder config ({e})") from None
-    if not isinstance(conf, dict) or not conf.get("models") or len(conf.get("vocabs", [])) < 2:
-        raise CheckpointError(
-            f"{decoder}: expected `models` and two `vocabs` (Marian's decoder.yml)"
-        )
+    conf = yaml_value(read_text(decoder, "a Marian decoder config", 1 << 20), str(decoder)) or {}
+    if not isinstance(conf, dict):
+        raise CheckpointError(f"{decoder}: expected a mapping (Marian's decoder.yml)")
+    for key, least in (("models", 1), ("vocabs", 2)):
+        given = conf.get(key)
+        if (
+            not isinstance(given, list)
+            or len(given) < least
+            or not all(isinstance(x, str) for x in given)
+        ):
+            raise CheckpointError(
+                f"{decoder}: {key}: {short(given)}; expected a list of {least} or more file names"
+            )
     if len(conf["models"]) > 1:
         raise CheckpointError(f"{decoder}: {len(conf['models'])} models (an ensemble): import each")
 
@@ -118,17 +146,16 @@ def native_files(source: Path, spm: list[Path]) -> NativeFiles:
         for base in (decoder.parent, Path.cwd()):
             if (base / name).is_file():
                 return base / name
-        raise CheckpointError(f"{decoder}: {name} not found beside it")
+        raise CheckpointError(f"{decoder}: {short(name)} not found beside it")
 
-    npz = source if source.suffix == ".npz" else where(str(conf["models"][0]))
-    vocabs = (where(str(conf["vocabs"][0])), where(str(conf["vocabs"][-1])))
-    factor = conf.get("max-length-factor", 3)  # Marian's default
-    if not isinstance(factor, (int, float)) or not 0 < factor <= 10:
-        raise CheckpointError(f"{decoder}: max-length-factor {factor!r} is not in (0, 10]")
-    return NativeFiles(
-        npz, vocabs, spm_models(vocabs, decoder.parent, spm), int(conf.get("beam-size", 5)),
-        float(factor),
-    )  # fmt: skip
+    npz = source if source.suffix == ".npz" else where(conf["models"][0])
+    vocabs = (where(conf["vocabs"][0]), where(conf["vocabs"][-1]))
+    factor, beam = conf.get("max-length-factor", 3), conf.get("beam-size", 5)  # Marian's defaults
+    if type(factor) not in (int, float) or not 0 < factor <= 10:
+        raise CheckpointError(f"{decoder}: max-length-factor {short(factor)} is not in (0, 10]")
+    if type(beam) is not int or not 1 <= beam <= 100:
+        raise CheckpointError(f"{decoder}: beam-size {short(beam)} is not a beam from 1 to 100")
+    return NativeFiles(npz, vocabs, spm_models(vocabs, decoder.parent, spm), beam, float(factor))
 
 
 def spm_models(vocabs: tuple[Path, Path], folder: Path, given: list[Path]) -> tuple[Path, Path]:
@@ -149,27 +176,54 @@ def spm_models(vocabs: tuple[Path, Path], folder: Path, given: list[Path]) -> tu
     )
 
 
-def read_npz(path: Path) -> dict[str, np.ndarray]:
-    """The arrays of a model.npz, read without unpickling (allow_pickle=False)."""
+def model_options(npz: Path) -> dict[str, Any]:
+    """The options Marian stores in the model (special:model.yml, a NUL-terminated YAML
+    text), read alone before any array."""
     try:
-        with np.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
-    except (OSError, ValueError, zipfile.BadZipFile) as e:
-        raise CheckpointError(f"{path}: not a Marian model.npz ({e})") from None
-    if "special:model.yml" not in arrays:
-        raise CheckpointError(f"{path}: no special:model.yml (not a Marian model)")
-    return arrays
-
-
-def model_options(stored: np.ndarray, where: Path) -> dict[str, Any]:
-    """The options Marian stores in the model (a NUL-terminated YAML text)."""
+        with zipfile.ZipFile(npz) as z:
+            info = z.getinfo("special:model.yml.npy")
+            if info.file_size > 1 << 20:
+                raise CheckpointError(
+                    f"{npz}: special:model.yml of {info.file_size:,} bytes; refused"
+                )
+            with z.open(info) as f:
+                stored = np.lib.format.read_array(f, allow_pickle=False)
+    except KeyError:
+        raise CheckpointError(f"{npz}: no special:model.yml (not a Marian model)") from None
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+        raise CheckpointError(f"{npz}: not a Marian model.npz ({str(e)[:200]})") from None
     try:
-        found = yaml.safe_load(stored.tobytes().decode("utf-8").rstrip("\x00"))
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{where}: special:model.yml is not YAML ({e})") from None
+        text = stored.tobytes().decode("utf-8").rstrip("\x00")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{npz}: special:model.yml is not text ({e.reason})") from None
+    found = yaml_value(text, f"{npz}: special:model.yml")
     if not isinstance(found, dict):
-        raise CheckpointError(f"{where}: special:model.yml holds no options")
+        raise CheckpointError(f"{npz}: special:model.yml holds no options")
     return found
+
+
+def _known_arrays(cfg: ModelConfig) -> Any:
+    """Whether a name is one of the arrays a Marian model of this config may hold."""
+    names = {"special:model.yml", "Wemb", "encoder_Wemb", "decoder_Wemb",
+             "decoder_ff_logit_out_W", "decoder_ff_logit_out_b"}  # fmt: skip
+    names |= {f"{s}_top_ln_{k}" for s in ("encoder", "decoder") for k in ("scale", "bias")}
+
+    def take(name: str) -> torch.Tensor:
+        names.add(name)
+        return torch.zeros(1, 1)
+
+    layer_state(take, cfg)
+    return names.__contains__
+
+
+def _check_rows(arrays: dict[str, np.ndarray], rows: list[int], where: Path) -> None:
+    """Every id the vocabularies name must be a row of the embeddings."""
+    embeddings = [arrays[n] for n in ("Wemb", "encoder_Wemb", "decoder_Wemb") if n in arrays]
+    if not embeddings:
+        raise CheckpointError(f"{where}: no embeddings (Wemb, or encoder_Wemb and decoder_Wemb)")
+    n = min(e.shape[0] if e.ndim else 0 for e in embeddings)
+    if rows and max(rows) >= n:
+        raise CheckpointError(f"{where}: id {max(rows)} is past the embeddings' {n:,} rows")
 
 
 def read_vocab(path: Path) -> dict[str, int]:
@@ -178,14 +232,20 @@ def read_vocab(path: Path) -> dict[str, int]:
     if path.suffix == ".spm":
         import sentencepiece as spm
 
+        read_bytes(path, "a SentencePiece vocabulary")  # its size, before SentencePiece reads it
         sp = spm.SentencePieceProcessor(model_file=str(path))
         return {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path, "a Marian vocabulary")
     if path.suffix in (".yml", ".yaml", ".json"):
-        found = yaml.safe_load(text)
-        if not isinstance(found, dict):
+        found = yaml_value(text, str(path))
+        if not isinstance(found, dict) or not found:
             raise CheckpointError(f"{path}: expected a map of piece: id")
-        return {str(k): int(v) for k, v in found.items()}
+        for piece, i in found.items():
+            if type(i) is not int or i < 0:
+                raise CheckpointError(f"{path}: {short(piece)} has id {short(i)}; ids count from 0")
+        if len(set(found.values())) < len(found):
+            raise CheckpointError(f"{path}: several pieces share an id; each has its own")
+        return {str(k): v for k, v in found.items()}
     return {
         line.split()[0] if line.split() else line: i for i, line in enumerate(text.splitlines())
     }
@@ -221,15 +281,28 @@ def native_config(o: dict[str, Any], where: Path) -> ModelConfig:
     if blocks not in norms:
         raise refuse("transformer-preprocess", f"pre/post/top {blocks}: attnmt has pre-norm "
                       "(n, da, n) and post-norm ('', dan, '')")  # fmt: skip
-    d = int(o["dim-emb"])
-    return ModelConfig(
-        arch="transformer", emb_size=d, hidden_size=d, heads=int(o["transformer-heads"]),
-        ff_size=int(o["transformer-dim-ffn"]), enc_layers=int(o["enc-depth"]),
-        dec_layers=int(o["dec-depth"]), dropout=0.1, attention_dropout=0.1, norm=norms[blocks],
-        activation=o.get("transformer-ffn-activation", "swish"), positions="marian",
-        output_bias=not o.get("output-omit-bias", False),
-        tie_embeddings=bool(o.get("tied-embeddings") or o.get("tied-embeddings-all")),
-    )  # fmt: skip
+
+    def whole(option: str) -> int:
+        if type(o.get(option)) is not int:
+            raise refuse(option, "expected a whole number")
+        return o[option]
+
+    d = whole("dim-emb")
+    try:
+        return ModelConfig(
+            arch="transformer", emb_size=d, hidden_size=d, heads=whole("transformer-heads"),
+            ff_size=whole("transformer-dim-ffn"), enc_layers=whole("enc-depth"),
+            dec_layers=whole("dec-depth"), dropout=0.1, attention_dropout=0.1,
+            norm=norms[blocks], activation=o.get("transformer-ffn-activation", "swish"),
+            positions="marian", output_bias=not o.get("output-omit-bias", False),
+            tie_embeddings=bool(o.get("tied-embeddings") or o.get("tied-embeddings-all")),
+        )  # fmt: skip
+    except ValidationError as e:
+        first = e.errors()[0]
+        name = first["loc"][0] if first["loc"] else "options"
+        raise CheckpointError(
+            f"{where}: {name}: {first['msg']} (from the model's options)"
+        ) from None
 
 
 def native_state(

@@ -122,7 +122,15 @@ def read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str], s
             state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
         info = json.loads(meta.get("attnmt", "{}"))
         aliases = info.get("tied") or json.loads(meta.get("attnmt.tied", "{}"))  # format 1.0
-    except (SafetensorError, OSError, RuntimeError, ValueError, KeyError) as e:
+    except (
+        SafetensorError,
+        OSError,
+        RuntimeError,
+        ValueError,
+        KeyError,
+        AttributeError,
+        RecursionError,
+    ) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{path}: cannot load weights ({first[:200]})") from None
     if "sha256" in info and tensors_sha256(state) != info["sha256"]:
@@ -269,7 +277,7 @@ def read_run_files(model_dir: Path) -> tuple[Config, dict[str, Any]]:
         shas = meta.get("sha256", {})
         if not isinstance(shas, dict) or not all(isinstance(v, str) for v in shas.values()):
             raise ValueError("'sha256' is not a mapping of file names to checksums")
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise CheckpointError(f"{meta_path}: unreadable metadata ({e})") from None
     if version > FORMAT_VERSION:
         raise CheckpointError(

@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException
 
 from attnmt.decoding.alignment import align
 from attnmt.decoding.translator import Translator
-from attnmt.errors import AttnmtError
+from attnmt.errors import AttnmtError, TooMuchWork
 from attnmt.serve.batcher import Batcher
 from attnmt.serve.http import AccessLog, HostCheck, error_response
 from attnmt.serve.requests import (
@@ -147,6 +147,8 @@ def _translate_route(
             )  # fmt: skip
         except RequestError as e:
             return error_response(e.status, str(e))
+        except TooMuchWork as e:
+            return error_response(413, str(e))
         except AttnmtError as e:
             return error_response(422, str(e))
         terms = translator.terminology is not None

@@ -72,6 +72,8 @@ def parse_request(body: bytes) -> TranslateRequest:
         raise RequestError(422, f"{where}: {first['msg']}") from None
     except ValueError as e:  # JSONDecodeError included
         raise RequestError(422, f"not a JSON request: {e}") from None
+    except RecursionError:
+        raise RequestError(422, "not a request: JSON nested too deeply") from None
     phrases = [(f"constraints[{i}]", c) for i, c in enumerate(request.constraints or [])]
     for name, items in (("text", request.text), ("prefix", request.prefix or []), *phrases):
         for i, line in enumerate(items):

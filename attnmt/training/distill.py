@@ -194,7 +194,7 @@ def _read_state(progress: Path) -> dict[str, Any]:
         state = json.loads(progress.read_text(encoding="utf-8"))
         fields = [state[k] for k in ("lines", "bytes", "total")]
         ok = isinstance(state["job"], dict) and isinstance(state["sha256"], str)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         raise DataError(f"{progress}: unreadable ({reason(e)}); {fix}") from None
     if not ok or not all(type(v) is int and v >= 0 for v in fields):
         raise DataError(f"{progress}: lines, bytes and total must be counts; {fix}")

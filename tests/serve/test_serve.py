@@ -102,13 +102,13 @@ def test_limits_and_bad_requests_get_json_errors(server):
 def test_a_full_queue_is_503_and_the_server_keeps_serving(server, monkeypatch):
     url, translator = server
     release = threading.Event()
-    real = translator.search
+    real = translator.decode
 
     def slow(*args, **kw):
         release.wait(30)
         return real(*args, **kw)
 
-    monkeypatch.setattr(translator, "search", slow)
+    monkeypatch.setattr(translator, "decode", slow)
     with ThreadPoolExecutor(4) as pool:
         first = pool.submit(httpx.post, f"{url}/translate", json={"text": ["w1"]}, timeout=60)
         time.sleep(0.5)  # taken by the search thread, which now blocks

@@ -172,14 +172,14 @@ def test_8_a_body_too_large_is_refused_before_it_is_read(server):
 def test_8_a_long_request_is_interleaved_and_dropped_when_its_client_leaves(server, monkeypatch):
     url, translator, _ = server
     calls: list[int] = []
-    real = translator.search
+    real = translator.decode
 
-    def slow(lines, *args, **kw):  # 0.25 s a line
-        calls.append(len(lines))
-        time.sleep(0.25 * len(lines))
-        return real(lines, *args, **kw)
+    def slow(prepared, *args, **kw):  # 0.25 s a line
+        calls.append(len(prepared))
+        time.sleep(0.25 * len(prepared))
+        return real(prepared, *args, **kw)
 
-    monkeypatch.setattr(translator, "search", slow)
+    monkeypatch.setattr(translator, "decode", slow)
     post = lambda text, timeout=60: httpx.post(  # noqa: E731
         f"{url}/translate", json={"text": text}, timeout=timeout
     )
