@@ -8,6 +8,9 @@ behind it. Training (attnmt.training) and translation (attnmt.decoding.translato
 from __future__ import annotations
 
 import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import get_args
 
 import torch
@@ -98,3 +101,96 @@ def memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[1]
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass(frozen=True)
+class CpuShare:
+    """A reading of the CPUs this process may run on: their busy time (steal included: a
+    virtual machine's neighbours) from /proc/stat and this process's own CPU time. Between two
+    readings, the busy time that is not ours is other processes' load.
+
+    Why: OpenMP threads spin at barriers, and one whose core another process holds stalls every
+    step for a scheduler tick; a 2-thread search beside a one-core busy loop kept about 10 % of
+    its idle rate, one thread about 60 % (docs/benchmarks.md, "A busy machine"). So attnmt runs
+    on the CPUs other processes leave it.
+    """
+
+    cpus: tuple[int, ...]
+    wall: float  # time.monotonic()
+    busy: float  # seconds the CPUs ran anything
+    own: float  # seconds this process ran
+
+    @classmethod
+    def now(cls) -> CpuShare | None:
+        """A reading, or None where /proc/stat is missing (not Linux)."""
+        try:
+            cpus = tuple(sorted(os.sched_getaffinity(0)))
+            lines = Path("/proc/stat").read_text().splitlines()
+        except (AttributeError, OSError):
+            return None
+        ticks = os.sysconf("SC_CLK_TCK")
+        busy = 0
+        for line in lines[1:]:
+            name, *fields = line.split()
+            if not name.startswith("cpu"):
+                break  # the per-CPU lines come first
+            if int(name[3:]) not in cpus:
+                continue
+            values = [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
+            busy += sum(values) - values[3] - values[4]
+        t = os.times()  # with the children it has waited for (forked search workers)
+        own = t.user + t.system + t.children_user + t.children_system
+        return cls(cpus, time.monotonic(), busy / ticks, own)
+
+    def free_since(self, earlier: CpuShare) -> float:
+        """How many CPUs other processes left free between `earlier` and this reading."""
+        span = self.wall - earlier.wall
+        others = (self.busy - earlier.busy) - (self.own - earlier.own)
+        return len(self.cpus) - max(0.0, others / span) if span > 0 else float(len(self.cpus))
+
+
+def threads_for(free: float, most: int) -> int:
+    """Intra-op threads for `free` CPUs: the nearest whole number, at least 1, at most `most`."""
+    return max(1, min(most, round(free)))
+
+
+def free_threads(since: CpuShare | None, most: int, least_s: float = 0.1) -> int:
+    """Threads for the CPUs others left free since the reading `since` (at least `least_s`
+    ago: waited for, else a scheduler tick would decide), at most `most`; `most` without a
+    reading."""
+    if since is None:
+        return most
+    waited = time.monotonic() - since.wall
+    if waited < least_s:
+        time.sleep(least_s - waited)
+    now = CpuShare.now()
+    return most if now is None else threads_for(now.free_since(since), most)
+
+
+@dataclass
+class ThreadFit:
+    """The CPU intra-op threads of a search or a training run: `fixed` (--threads,
+    train.threads), or chosen from the CPUs other processes leave free: first over a reading
+    of 0.1 s, then over the time since the last choice, at most every `every_s` seconds
+    (None: once)."""
+
+    fixed: int | None
+    most: int  # torch's own count: the CPUs there are
+    every_s: float | None = 1.0
+    reading: CpuShare | None = None  # the last reading (None: the first choice makes one)
+    threads: int = 0  # the current choice (0: none yet)
+
+    def apply(self) -> int:
+        """Choose (when due) and set the calling thread's intra-op threads; returns them."""
+        if self.fixed:
+            self.threads = self.fixed
+        elif not self.threads:  # since the reading given, or over one of its own
+            self.threads = free_threads(self.reading or CpuShare.now(), self.most)
+            self.reading = CpuShare.now()
+        elif self.every_s is not None and self.reading is not None:
+            now = CpuShare.now()
+            if now is not None and now.wall - self.reading.wall >= self.every_s:
+                self.threads = threads_for(now.free_since(self.reading), self.most)
+                self.reading = now
+        torch.set_num_threads(self.threads)
+        return self.threads

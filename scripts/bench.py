@@ -46,13 +46,16 @@ of the peak, the MFU).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import itertools
 import json
 import resource
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -63,7 +66,7 @@ from attnmt.data.text import read_lines
 from attnmt.decoding.search import Beam, Greedy, SearchOptions
 from attnmt.decoding.shortlist import attach, load_shortlist
 from attnmt.decoding.translate import for_decoding, score, search_lines
-from attnmt.device import DECODE_PRECISIONS, MATMUL_BACKENDS
+from attnmt.device import DECODE_PRECISIONS, MATMUL_BACKENDS, ThreadFit
 from attnmt.kernels import matmul
 from attnmt.models.directory import load_model_dir
 
@@ -86,7 +89,9 @@ def bench_decode(args: argparse.Namespace) -> None:
 
 
 def decode_models(args: argparse.Namespace, backend: str) -> None:
-    torch.set_num_threads(args.threads)
+    # --threads 0: attnmt's own choice, the CPUs other processes leave free (chosen per run).
+    fit = ThreadFit(args.threads or None, torch.get_num_threads())
+    fit.apply()
     src = read_lines(args.data / "test_2016_flickr.de.gz")[: args.sentences]
     ref = read_lines(args.data / "test_2016_flickr.en.gz")[: args.sentences]
     for model_dir in args.model:
@@ -114,8 +119,9 @@ def decode_models(args: argparse.Namespace, backend: str) -> None:
                 if shortlist == "on":
                     unlisted = search_lines(model, tokenizer, src, options, **batches)
                     batches["shortlist"] = short
-                times, result = [], None
+                times, result, chosen = [], None, []
                 for _ in range(args.runs):
+                    chosen.append(fit.apply())
                     start = time.perf_counter()
                     result = search_lines(
                         model, tokenizer, src, options, workers=workers, **batches
@@ -145,7 +151,7 @@ def decode_models(args: argparse.Namespace, backend: str) -> None:
                     "bleu": round(s.bleu, 2),
                     "chrf": round(s.chrf, 2),
                     "bleu_signature": s.bleu_signature,
-                    "threads": args.threads,
+                    "threads": args.threads or f"auto: {chosen}",
                     "workers": workers,
                     "precision": precision,
                     "matmul": backend,
@@ -189,7 +195,10 @@ def add_decode_args(d: argparse.ArgumentParser) -> None:
     d.add_argument("--sentences", type=int, help="only the first N test sentences")
     d.add_argument("--device", default="cpu", help="cpu or cuda")
     d.add_argument("--max-len", type=int, default=60, help="output pieces at most")
-    d.add_argument("--threads", type=int, default=2, help="threads in all")
+    d.add_argument(
+        "--threads", type=int, default=2,
+        help="threads in all; 0: attnmt's choice (as many as other processes leave free)",
+    )  # fmt: skip
     d.add_argument(
         "--workers",
         type=lambda s: [int(x) for x in s.split(",")],
@@ -239,7 +248,30 @@ def main() -> int:
     v.add_argument("--beam", type=int, default=5)
     v.add_argument("--threads", type=int, default=2, help="threads of the server (and CLI)")
     v.add_argument("--batch-wait-ms", type=float, default=5.0, help="attnmt serve --batch-wait-ms")
+    for parser in (d, e, t):
+        parser.add_argument(
+            "--busy", type=int, default=0,
+            help="run N one-core busy loops beside the measurement (a busy machine)",
+        )  # fmt: skip
     args = ap.parse_args()
+    with busy_loops(getattr(args, "busy", 0)):
+        return run(ap, args)
+
+
+@contextlib.contextmanager
+def busy_loops(n: int) -> Iterator[None]:
+    """N processes that each keep a core busy (`while True: pass`) while the block runs."""
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        time.sleep(0.5 if loops else 0.0)  # running before the measurement starts
+        yield
+    finally:
+        for p in loops:
+            p.kill()
+            p.wait()
+
+
+def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.what == "serve":
         from bench_serve import bench_serve
 
@@ -258,7 +290,7 @@ def main() -> int:
     elif args.what == "train":
         if not 0 <= args.warmup < args.steps:
             ap.error("--warmup must be below --steps")
-        if not 1 <= args.procs <= args.threads:
+        if not 1 <= args.procs <= max(args.threads, 1):
             ap.error("--procs must be between 1 and --threads")
         bench_train(args)
     return 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -32,8 +33,9 @@ def bench_export(args: argparse.Namespace) -> None:
     """CTranslate2's rows: per compute type, workers and beam (bench.py prints attnmt's first)."""
     import ctranslate2
 
-    src = read_lines(args.data / "test_2016_flickr.de.gz")
-    ref = read_lines(args.data / "test_2016_flickr.en.gz")
+    src = read_lines(args.data / "test_2016_flickr.de.gz")[: args.sentences]
+    ref = read_lines(args.data / "test_2016_flickr.en.gz")[: args.sentences]
+    threads = args.threads or len(os.sched_getaffinity(0))  # CTranslate2 has no --threads 0
     for model_dir in args.model:
         cfg, _ = read_run_files(model_dir)
         joint = cfg.tokenizer.joint
@@ -45,14 +47,14 @@ def bench_export(args: argparse.Namespace) -> None:
             for compute_type, workers in product(args.compute_types, args.workers):
                 translator = ctranslate2.Translator(
                     str(out), device="cpu", compute_type=compute_type,
-                    inter_threads=workers, intra_threads=args.threads // workers,
+                    inter_threads=workers, intra_threads=max(1, threads // workers),
                 )  # fmt: skip
                 for beam in args.beams:
                     row = time_ct2(translator, sps, src, ref, beam, args)
                     row.update(
                         toolkit=f"ctranslate2 {ctranslate2.__version__}", model=str(model_dir),
                         compute_type=compute_type, inter_threads=workers,
-                        intra_threads=args.threads // workers,
+                        intra_threads=max(1, threads // workers),
                     )  # fmt: skip
                     print(json.dumps(row), flush=True)
 

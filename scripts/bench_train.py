@@ -208,7 +208,9 @@ def run_child(args: argparse.Namespace, work: Path) -> tuple[list[dict[str, Any]
         run = ["-m", "torch.distributed.run", "--standalone"]
         cmd[1:1] = [*run, "--nproc_per_node", str(args.procs)]
     cmd += ["--out", str(work / "model"), "--quiet"]  # --set is in the config already
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads // args.procs)}
+    env = dict(os.environ)
+    if args.threads:  # 0: the trainer's own choice (train.threads 0)
+        env["OMP_NUM_THREADS"] = str(args.threads // args.procs)
     child = subprocess.Popen(cmd, env=env)
     # A benchmark stopped by `timeout` (SIGTERM) stops its trainer too: on the GPU machine a
     # trainer left running held the pipe of `| tee` open, so the stage never ended.
@@ -233,7 +235,7 @@ def bench_train(args: argparse.Namespace) -> None:
             cfg = train_config(args, name, work)
             (work / "config.yaml").write_text(yaml.safe_dump(cfg))
             precision = resolve_precision(cfg["train"].get("precision", "fp32"), device)
-            peak_by_source = peaks(device, precision, args.threads)
+            peak_by_source = peaks(device, precision, args.threads or torch.get_num_threads())
             events, usage = run_child(args, work)
             if args.keep:  # the trained model directory, for decoding benchmarks
                 shutil.copytree(work / "model", args.keep / name, dirs_exist_ok=True)
@@ -303,7 +305,10 @@ def add_train_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--warmup", type=int, default=50, help="steps left out of the figures")
     t.add_argument("--configs", type=lambda s: s.split(","), default=["T", "R"], help="T,R,base")
     t.add_argument("--device", default="cpu", help="cpu or cuda (train.device)")
-    t.add_argument("--threads", type=int, default=2, help="threads in all")
+    t.add_argument(
+        "--threads", type=int, default=2,
+        help="threads in all; 0: attnmt's choice (train.threads 0: the CPUs left free)",
+    )  # fmt: skip
     t.add_argument(
         "--procs", type=int, default=1,
         help="data-parallel processes (torchrun, DDP), each with threads/procs threads",

@@ -55,6 +55,16 @@ WorkersOption = Annotated[
         help="CPU: batches searched at once, each on its share of the threads (default: config).",
     ),
 ]
+ThreadsOption = Annotated[
+    int | None,
+    typer.Option(
+        "--threads",
+        min=1,
+        max=1024,
+        help="CPU threads (default: as many as other processes leave free, chosen again as "
+        "the machine's load changes).",
+    ),
+]
 TerminologyOption = Annotated[
     Path | None,
     typer.Option(
@@ -82,6 +92,7 @@ class ModelLoad:
     precision: str | None = None
     matmul: str | None = None
     workers: int | None = None
+    threads: int | None = None
 
     def translator(
         self,
@@ -97,7 +108,7 @@ class ModelLoad:
             check_input(terminology)
         return Translator.load(
             models, self.device, self.weights, self.precision, self.matmul, self.workers,
-            terminology, shortlist,
+            terminology, shortlist, self.threads,
         )  # fmt: skip
 
 
@@ -107,11 +118,12 @@ _SHARED = {
     "workers": (WorkersOption, None),
     "precision": (PrecisionOption, None),
     "matmul": (MatmulOption, None),
+    "threads": (ThreadsOption, None),
 }
 
 
 def model_options(workers: bool = True) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """Give a command --weights, --device, --precision, --matmul (and --workers) and pass
+    """Give a command --weights, --device, --precision, --matmul, --threads (and --workers) and pass
     them to it as one `load: ModelLoad` argument: declared once, read once."""
     names = [n for n in _SHARED if workers or n != "workers"]
 

@@ -15,7 +15,7 @@ import itertools
 import math
 import sys
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -44,6 +44,8 @@ from attnmt.device import (
     DECODE_PRECISIONS,
     DEVICES,
     MATMUL_BACKENDS,
+    CpuShare,
+    ThreadFit,
     choices,
     limit_onednn_kernel_cache,
     missing_hardware,
@@ -75,6 +77,8 @@ class Translator:
     # Terms found in a line become its constraints (beam search); set it, or load's argument.
     terminology: Terminology | None = None
     shortlist: Shortlist | None = None  # each batch outputs only its shortlist's pieces
+    # CPU threads: fixed, or as many as other processes leave free (chosen per search).
+    threads: ThreadFit = field(default_factory=lambda: ThreadFit(None, torch.get_num_threads()))
 
     @classmethod
     def load(
@@ -87,6 +91,7 @@ class Translator:
         workers: int | None = None,
         terminology: str | Path | None = None,
         shortlist: bool | None = None,
+        threads: int | None = None,
     ) -> Translator:
         """Load a model directory, or several as an ensemble (the mean of their log-
         probabilities at each step; they must share their SentencePiece models; the first
@@ -96,8 +101,10 @@ class Translator:
         matmul auto, blas or onednn (default decode.matmul); workers: batches searched at once
         (default decode.workers; CPU only); terminology: a TSV file of source term TAB
         target term (Terminology.load); shortlist: output only each batch's lexical shortlist
-        (the first model directory's, from `attnmt shortlist`; default decode.shortlist).
-        Notes go to stderr."""
+        (the first model directory's, from `attnmt shortlist`; default decode.shortlist);
+        threads: CPU threads (default: as many as other processes leave free, chosen again
+        at most every second). Notes go to stderr."""
+        start = CpuShare.now()
         dirs = (
             [Path(model_dir)] if isinstance(model_dir, str | Path) else list(map(Path, model_dir))
         )
@@ -143,7 +150,12 @@ class Translator:
         if cfg.decode.shortlist if shortlist is None else shortlist:
             short = load_shortlist(dirs[0], tokenizer)
             attach(net, len(tokenizer.tgt))
-        return cls(cfg, tokenizer, net, dev, backend, n_workers, members, precision, terms, short)
+        if threads is not None:
+            _check_int("threads", threads, 1, 1024)
+        fit = ThreadFit(threads, torch.get_num_threads(), reading=start)  # the load: ours
+        return cls(
+            cfg, tokenizer, net, dev, backend, n_workers, members, precision, terms, short, fit
+        )
 
     def translate(
         self,
@@ -351,6 +363,8 @@ class Translator:
             _check_int("batch_tokens", batch_tokens, 1, 1 << 40)
         if workers is not None:
             _check_int("workers", workers, 1, 64)
+        if self.device.type == "cpu":
+            self.threads.apply()  # in the thread that searches
         return search_lines(
             self.model, self.tokenizer, prepared.lines, prepared.options,
             batch_tokens=batch_tokens or self.cfg.decode.batch_tokens, device=self.device,

@@ -39,6 +39,7 @@ from attnmt.interop.untrusted import (
     read_pickled_weights,
     read_safetensors,
     short,
+    vocab_ids,
 )
 from attnmt.models.build import build_model
 from attnmt.models.directory import (
@@ -143,17 +144,7 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
 
 def read_vocab_json(path: Path) -> dict[str, int]:
     """vocab.json: piece -> id, ids whole numbers from 0, one piece an id."""
-    vocab = json_value(path, "a MarianMT vocab.json")
-    if not isinstance(vocab, dict) or not vocab:
-        raise CheckpointError(f"{path}: expected a JSON object of piece: id")
-    for piece, i in vocab.items():
-        if type(i) is not int or i < 0:
-            raise CheckpointError(f"{path}: {short(piece)} has id {short(i)}; ids count from 0")
-    if len(set(vocab.values())) < len(vocab):
-        raise CheckpointError(
-            f"{path}: several pieces share an id; a vocabulary gives each its own"
-        )
-    return vocab
+    return vocab_ids(json_value(path, "a MarianMT vocab.json"), path)
 
 
 def _id(hf: dict[str, Any], key: str, where: Path, default: int | None = None) -> int:

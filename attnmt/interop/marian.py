@@ -38,6 +38,7 @@ from attnmt.interop.untrusted import (
     read_npz,
     read_text,
     short,
+    vocab_ids,
     yaml_value,
 )
 from attnmt.models.build import build_model
@@ -237,15 +238,7 @@ def read_vocab(path: Path) -> dict[str, int]:
         return {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
     text = read_text(path, "a Marian vocabulary")
     if path.suffix in (".yml", ".yaml", ".json"):
-        found = yaml_value(text, str(path))
-        if not isinstance(found, dict) or not found:
-            raise CheckpointError(f"{path}: expected a map of piece: id")
-        for piece, i in found.items():
-            if type(i) is not int or i < 0:
-                raise CheckpointError(f"{path}: {short(piece)} has id {short(i)}; ids count from 0")
-        if len(set(found.values())) < len(found):
-            raise CheckpointError(f"{path}: several pieces share an id; each has its own")
-        return {str(k): v for k, v in found.items()}
+        return vocab_ids(yaml_value(text, str(path)), path)
     return {
         line.split()[0] if line.split() else line: i for i, line in enumerate(text.splitlines())
     }

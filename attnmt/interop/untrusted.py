@@ -71,6 +71,19 @@ def yaml_value(text: str, where: str) -> Any:
         ) from None
 
 
+def vocab_ids(found: Any, path: Path) -> dict[str, int]:
+    """A vocabulary's piece -> id map as read from its file, checked: a non-empty mapping,
+    ids whole numbers from 0, each piece its own id."""
+    if not isinstance(found, dict) or not found:
+        raise CheckpointError(f"{path}: expected a map of piece: id")
+    for piece, i in found.items():
+        if type(i) is not int or i < 0:
+            raise CheckpointError(f"{path}: {short(piece)} has id {short(i)}; ids count from 0")
+    if len(set(found.values())) < len(found):
+        raise CheckpointError(f"{path}: several pieces share an id; each has its own")
+    return {str(piece): i for piece, i in found.items()}
+
+
 def short(value: object, width: int = 60) -> str:
     """A value as a message shows it: its repr, cut."""
     text = repr(value)

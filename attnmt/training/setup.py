@@ -21,6 +21,7 @@ from attnmt.data.store import TokenStore
 from attnmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 from attnmt.device import (
     PRECISION_DTYPES,
+    ThreadFit,
     limit_onednn_kernel_cache,
     memory_bytes,
     missing_hardware,
@@ -103,12 +104,16 @@ def setup(
     """Seed, read the data, train or load the tokenizer, build the model and its optimizer,
     and restore the last checkpoint when resuming."""
     t = cfg.train
-    if t.threads:
-        torch.set_num_threads(t.threads)
+    # Chosen once, after the data is read (the reading spans it): the step's numbers do not
+    # change with the machine's load half-way through a run.
+    threads = ThreadFit(t.threads or None, torch.get_num_threads(), every_s=None)
     tf_generator = seed_everything(t.seed)
     start_time = time.time()
     checkpoint = latest_checkpoint(out) if resume else None
     tokenizer, train_data, dev_sets = prepare_data(cfg, out, ranks, checkpoint is not None, log)
+    if (device.type == "cpu" or t.threads) and threads.apply() < threads.most and not t.threads:
+        line = f"other processes hold CPUs: training on {threads.threads} of {threads.most} threads"
+        log.event("threads", line + " (train.threads fixes it)", threads=threads.threads)
     model = build_checked_model(cfg, tokenizer, device)
     model.to(device).train()
     optimizer = torch.optim.Adam(  # fused: one kernel for all parameters, not a few per tensor

@@ -267,7 +267,7 @@ def test_10_nan_or_infinite_weights_are_refused_at_import(hf, tmp_path, run_cli)
 @pytest.mark.parametrize(
     ("vocab", "fragment"),
     [
-        ({}, "expected a JSON object of piece: id"),
+        ({}, "expected a map of piece: id"),
         ({"</s>": -1, "<unk>": 1}, "'</s>' has id -1"),
         ({"</s>": 0, "<unk>": 0}, "several pieces share an id"),
         ({"</s>": 0, "<unk>": 5.5}, "'<unk>' has id 5.5"),
