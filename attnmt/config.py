@@ -84,8 +84,9 @@ class TrainCorpus(SplitConfig):
 
 
 class DataConfig(_Section):
-    train: TrainCorpus | list[TrainCorpus]
-    dev: SplitConfig | list[SplitConfig]  # a list: one set per direction (multilingual)
+    # Every training config names both (load_config); an imported model's config names none.
+    train: TrainCorpus | list[TrainCorpus] | None = None
+    dev: SplitConfig | list[SplitConfig] | None = None  # a list: one per direction (multilingual)
     test: SplitConfig | list[SplitConfig] | None = None
     max_len: int = Field(100, ge=1, le=100_000)
     workers: int = Field(0, ge=0, le=256)  # encoding processes; 0: the cores available
@@ -109,12 +110,16 @@ class DataConfig(_Section):
 
     @property
     def corpora(self) -> list[TrainCorpus]:
-        """The training corpora, one or several."""
+        """The training corpora, one or several (none: an imported model)."""
+        if self.train is None:
+            return []
         return self.train if isinstance(self.train, list) else [self.train]
 
     @property
     def dev_sets(self) -> list[SplitConfig]:
-        """The dev sets, one or several (one per direction)."""
+        """The dev sets, one or several (one per direction; none: an imported model)."""
+        if self.dev is None:
+            return []
         return self.dev if isinstance(self.dev, list) else [self.dev]
 
     @property
@@ -327,6 +332,7 @@ class DecodeConfig(_Section):
     max_len_a: float = Field(1.5, ge=0.0, le=10.0)
     max_len_b: int = Field(10, ge=0, le=1000)
     max_len_round: Literal["floor", "ceil"] = "floor"
+    allow_unk: bool = True  # False: <unk> is never an output (marian-decoder's default)
     shortlist: bool = False
     max_output_len: int = Field(1500, ge=1, le=100_000)
     max_src_len: int = Field(1000, ge=2, le=100_000)
@@ -518,6 +524,10 @@ def load_config(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> Conf
     for assignment in overrides:
         apply_override(raw, assignment)
     cfg = from_dict(raw)
+    for key in ("train", "dev"):
+        if getattr(cfg.data, key) is None:
+            raise ConfigError(f"{path}: data.{key} is missing: a training config names its "
+                              "training corpora (data.train) and dev set (data.dev)")  # fmt: skip
     return resolve_paths(cfg, Path.cwd())
 
 

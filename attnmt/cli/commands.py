@@ -20,6 +20,8 @@ from attnmt.cli.options import (
     ShortlistOption,
     TargetLangOption,
     TerminologyOption,
+    TermsIgnoreCaseOption,
+    TermsPrefixOption,
     model_options,
 )
 from attnmt.data.files import OutputSink, atomic_write_bytes, check_output_path
@@ -127,6 +129,8 @@ def translate(
         "--constraints", help='Per input line, a JSON list of target phrases its translation '
         'must contain, e.g. ["Haus"] (beam search); [] or an empty line: none.')] = None,
     terminology: TerminologyOption = None,
+    terms_ignore_case: TermsIgnoreCaseOption = False,
+    terms_prefix: TermsPrefixOption = False,
     shortlist: ShortlistOption = None,
     alignments: Annotated[bool, typer.Option(
         "--alignments", help="End each output line in ' ||| ' and its word alignment: "
@@ -154,7 +158,7 @@ def translate(
     if source is not None:
         check_input(source)  # a missing or unreadable file fails before the model loads
     prefixes, wanted = per_line_inputs(prefix, constraints, terminology)
-    translator = load.translator(model, terminology, shortlist)
+    translator = load.translator(model, terminology, shortlist, (terms_ignore_case, terms_prefix))
     spec, maps = None, None
     if attention is not None:
         spec = translator.attention_spec(attention_layer, attention_head)
@@ -430,6 +434,8 @@ def serve(
     access_log: Annotated[bool, typer.Option(
         "--access-log/--no-access-log", help="A line per request on stderr.")] = True,
     terminology: TerminologyOption = None,
+    terms_ignore_case: TermsIgnoreCaseOption = False,
+    terms_prefix: TermsPrefixOption = False,
     shortlist: ShortlistOption = None,
     *,
     load: ModelLoad,
@@ -446,7 +452,7 @@ def serve(
             f'attnmt serve needs the serve extra ({e.name} is missing): pip install "attnmt[serve]"'
         ) from None
 
-    translator = load.translator(model, terminology, shortlist)
+    translator = load.translator(model, terminology, shortlist, (terms_ignore_case, terms_prefix))
     limits = Limits(
         max_lines, max_chars, max_queue, batch_wait_ms,
         max_search=max_search, max_attention=max_attention,
@@ -599,7 +605,7 @@ def evaluate(
 
 
 @app.command("score", short_help="Forced decoding: log-probabilities of translations.")
-@model_options(workers=False)
+@model_options(workers=False, search=False)
 def score_command(
     model: Annotated[list[Path], typer.Option(
         "--model", "-m", metavar="DIR", help="Model directory (more than once: an ensemble).")],

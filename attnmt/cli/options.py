@@ -65,12 +65,35 @@ ThreadsOption = Annotated[
         "the machine's load changes).",
     ),
 ]
+UnkOption = Annotated[
+    bool | None,
+    typer.Option(
+        "--allow-unk/--no-unk",
+        help="Whether <unk> may be an output (default: config decode.allow_unk; a model "
+        "imported from Marian: --no-unk, as marian-decoder).",
+    ),
+]
 TerminologyOption = Annotated[
     Path | None,
     typer.Option(
         "--terminology",
         help="A TSV file of source term TAB target term: a term found in a line (on word "
         "boundaries) must be translated as given (beam search).",
+    ),
+]
+TermsIgnoreCaseOption = Annotated[
+    bool,
+    typer.Option(
+        "--terms-ignore-case",
+        help="--terminology: match its terms whatever their case (Fahrrad, fahrrad, FAHRRAD).",
+    ),
+]
+TermsPrefixOption = Annotated[
+    bool,
+    typer.Option(
+        "--terms-prefix",
+        help="--terminology: a term also matches where it starts a longer word (a compound's "
+        "first part: Fahrrad in Fahrradhelm).",
     ),
 ]
 ShortlistOption = Annotated[
@@ -93,23 +116,31 @@ class ModelLoad:
     matmul: str | None = None
     workers: int | None = None
     threads: int | None = None
+    allow_unk: bool | None = None
 
     def translator(
         self,
         models: list[Path],
         terminology: Path | None = None,
         shortlist: bool | None = None,
+        terms: tuple[bool, bool] = (False, False),
     ) -> Translator:
-        """The one way a command loads a Translator (a terminology file is checked first)."""
+        """The one way a command loads a Translator (a terminology file is checked first);
+        `terms`: the terminology's forms matched whatever their case, and as a longer word's
+        start (--terms-ignore-case, --terms-prefix)."""
         from attnmt.data.text import check_input
         from attnmt.decoding.translator import Translator
 
         if terminology is not None:
             check_input(terminology)
-        return Translator.load(
+        translator = Translator.load(
             models, self.device, self.weights, self.precision, self.matmul, self.workers,
-            terminology, shortlist, self.threads,
+            terminology, shortlist, self.threads, *terms,
         )  # fmt: skip
+        if self.allow_unk is not None:  # every search of this command: the config's default
+            decode = translator.cfg.decode.model_copy(update={"allow_unk": self.allow_unk})
+            translator.cfg = translator.cfg.model_copy(update={"decode": decode})
+        return translator
 
 
 _SHARED = {
@@ -119,13 +150,17 @@ _SHARED = {
     "precision": (PrecisionOption, None),
     "matmul": (MatmulOption, None),
     "threads": (ThreadsOption, None),
+    "allow_unk": (UnkOption, None),
 }
 
 
-def model_options(workers: bool = True) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """Give a command --weights, --device, --precision, --matmul, --threads (and --workers) and pass
+def model_options(
+    workers: bool = True, search: bool = True
+) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Give a command --weights, --device, --precision, --matmul, --threads (and --workers,
+    and --allow-unk/--no-unk for commands that search) and pass
     them to it as one `load: ModelLoad` argument: declared once, read once."""
-    names = [n for n in _SHARED if workers or n != "workers"]
+    names = [n for n in _SHARED if (workers or n != "workers") and (search or n != "allow_unk")]
 
     def wrap(command: Callable[..., None]) -> Callable[..., None]:
         signature = inspect.signature(command, eval_str=True)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from attnmt.config import DecodeConfig
+from attnmt.data.tokenizer import UNK_ID
 from attnmt.decoding.constraints import Constraints, Wanted
 from attnmt.kernels import argmax_rows, topk_rows
 from attnmt.models.seq2seq import AttentionSpec, Seq2Seq
@@ -67,6 +68,7 @@ class SearchOptions:
     # Greedy search only (beam search needs them): compute Hypothesis.score, else NaN.
     scores: bool = True
     max_len_round: str = "floor"  # a * source length rounded down, or up ("ceil": Marian's rule)
+    allow_unk: bool = True  # False: <unk> is never an output (marian-decoder's default)
 
     @property
     def n_best(self) -> int:
@@ -98,7 +100,7 @@ def search_options(
         method = Beam(beam, alpha, n_best)
     return SearchOptions(
         method, cfg.max_len_a, cfg.max_len_b, cfg.max_output_len, cfg.max_src_len, attention,
-        scores=n_best > 1, max_len_round=cfg.max_len_round,
+        scores=n_best > 1, max_len_round=cfg.max_len_round, allow_unk=cfg.allow_unk,
     )  # fmt: skip
 
 
@@ -159,14 +161,20 @@ def keep_forced(values: torch.Tensor, tokens: torch.Tensor) -> None:
         values[rows, tokens[rows]] = kept
 
 
+def never_output(model: Seq2Seq, options: SearchOptions) -> list[int]:
+    """The ids no translation holds: padding and the start token, and <unk> where the options
+    do not allow it."""
+    return [model.pad_id, model.bos_id] + ([] if options.allow_unk else [UNK_ID])
+
+
 def step_log_probs(
-    logits: torch.Tensor, model: Seq2Seq, forced: torch.Tensor | None
+    logits: torch.Tensor, banned: list[int], forced: torch.Tensor | None
 ) -> torch.Tensor:
     """Beam search's next-token log-probabilities (n, V), normalised over the whole
-    vocabulary, then -inf for what may not come next: padding and the start token (never an
-    output, see pick_output) and, in rows within a prefix (`forced` >= 0), all but its token."""
+    vocabulary, then -inf for what may not come next: the `banned` ids (never_output, see
+    pick_output) and, in rows within a prefix (`forced` >= 0), all but its token."""
     logp = torch.log_softmax(logits.float(), dim=-1)  # (n, V)
-    logp[:, model.pad_id] = logp[:, model.bos_id] = -torch.inf
+    logp[:, banned] = -torch.inf
     if forced is not None:
         keep_forced(logp, forced)
     return logp
@@ -182,18 +190,22 @@ class Hypothesis:
 
 
 def pick_output(
-    logits: torch.Tensor, pick: Callable[[torch.Tensor], torch.Tensor], model: Seq2Seq
+    logits: torch.Tensor, pick: Callable[[torch.Tensor], torch.Tensor], banned: list[int]
 ) -> torch.Tensor:
-    """pick(logits) (B, V) -> (B,) among the tokens a translation may hold: never padding or
-    the start token (a model's probability for them is not a choice; transformers' Marian
-    models forbid the pad id the same way). Only the rows whose pick was one of them pick
-    again, without it: the same choice as masking first (for a draw, the same distribution),
-    and no copy of the logits on the common path. `logits` is left as it was, for scores."""
+    """pick(logits) (B, V) -> (B,) among the tokens a translation may hold: never a `banned`
+    id (padding and the start token: a model's probability for them is not a choice, and
+    transformers' Marian models forbid the pad id the same way; <unk> where it is not
+    allowed). Only the rows whose pick was one of them pick again, without them: the same
+    choice as masking first (for a draw, the same distribution), and no copy of the logits on
+    the common path. `logits` is left as it was, for scores."""
     nxt = pick(logits)  # (B,)
-    again = ((nxt == model.pad_id) | (nxt == model.bos_id)).nonzero().squeeze(1)  # (n,)
+    hit = nxt == banned[0]  # (B,)
+    for token in banned[1:]:
+        hit |= nxt == token
+    again = hit.nonzero().squeeze(1)  # (n,)
     if again.numel():
         rows = logits[again]  # (n, V): a copy
-        rows[:, model.pad_id] = rows[:, model.bos_id] = -torch.inf
+        rows[:, banned] = -torch.inf
         nxt[again] = pick(rows)
     return nxt
 
@@ -250,6 +262,7 @@ def greedy_search(
     B, device = src.size(0), src.device
     limits = max_output_lengths(src_pad_mask, options)  # (B,)
     attention, scores = options.attention, options.scores
+    banned = never_output(model, options)
     memory = model.encode(src, src_pad_mask)
     state = model.init_state(memory)
     prev = torch.full((B,), model.bos_id, dtype=torch.long, device=device)  # (B,)
@@ -260,7 +273,7 @@ def greedy_search(
     attn_steps: list[torch.Tensor] = []  # per step: (B, S)
     for t in range(int(limits.max())):
         logits, state, attn = model.decode_step(memory, state, prev, attention)  # (B_r, V)
-        nxt = pick_output(logits, pick, model)  # (B_r,)
+        nxt = pick_output(logits, pick, banned)  # (B_r,)
         if (want := forced_at(forced, t, rows)) is not None:  # a prefix's token, where it goes on
             nxt = torch.where(want >= 0, want, nxt)
         if scores:
@@ -360,6 +373,7 @@ def beam_search(
     B, device = src.size(0), src.device
     limits = max_output_lengths(src_pad_mask, options)  # (B,)
     # One memory row per sentence, shared by its K beams (see attnmt.models.build).
+    banned = never_output(model, options)
     memory = model.encode(src, src_pad_mask)
     state, scores = _start_beams(model, memory, B, K, device)
     tokens = torch.full((B * K, 0), model.pad_id, dtype=torch.long, device=device)  # (B_a*K, t)
@@ -373,7 +387,7 @@ def beam_search(
         n = len(active)
         logits, state, attn = model.decode_step(memory, state, prev, attention)  # (n*K, V)
         want = forced_at(forced, t, active)  # (n,) or None
-        logp = step_log_probs(logits, model, None if want is None else want.repeat_interleave(K))
+        logp = step_log_probs(logits, banned, None if want is None else want.repeat_interleave(K))
         if attn is not None:
             a = attn.float().unsqueeze(1)  # (n*K, 1, S)
             attn_hist = a if attn_hist is None else torch.cat([attn_hist, a], dim=1)

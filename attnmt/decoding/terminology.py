@@ -2,7 +2,12 @@
 that": a TSV file of source term TAB target term; where a source line contains a term, on word
 boundaries and with the case the file gives, its target term becomes a constraint of that
 line's search, attnmt.decoding.constraints) and constraint files (a JSON list of phrases per
-input line)."""
+input line).
+
+A language that inflects and compounds (German: Fahrrad, Fahrrads, Fahrräder, Fahrradhelm)
+needs more than one exact form: an entry's source may list forms separated by `|`
+(`Fahrrad|Fahrrads|Fahrräder<TAB>bicycle`), `ignore_case` matches them whatever their case, and
+`prefix` also matches a form that starts a longer word (a compound's first part)."""
 
 from __future__ import annotations
 
@@ -23,19 +28,25 @@ class Term:
 
 
 class Terminology:
-    """Terms, found in a line by one regular expression: the longest term at each place,
-    none overlapping, and only where no letter or digit touches it on either side."""
+    """Terms, found in a line by one regular expression: the longest form at each place, none
+    overlapping, where no letter or digit touches it (with `prefix`: before it only)."""
 
-    def __init__(self, terms: list[Term]) -> None:
-        self.terms = {t.source: t for t in terms}
+    def __init__(self, terms: list[Term], ignore_case: bool = False, prefix: bool = False) -> None:
+        self.ignore_case, self.prefix = ignore_case, prefix
+        key = str.casefold if ignore_case else str
+        self.terms = {key(form): t for t in terms for form in t.source.split("|")}
         longest_first = sorted(self.terms, key=len, reverse=True)
-        alternatives = "|".join(map(re.escape, longest_first))
-        self.pattern = re.compile(rf"(?<!\w)(?:{alternatives})(?!\w)") if terms else None
+        forms = "|".join(map(re.escape, longest_first))
+        end = "" if prefix else r"(?!\w)"
+        flags = re.IGNORECASE if ignore_case else 0
+        self.pattern = re.compile(rf"(?<!\w)(?:{forms}){end}", flags) if terms else None
+        self._key = key
 
     @classmethod
-    def load(cls, path: Path) -> Terminology:
-        """Read a TSV file (plain or .gz) of `source<TAB>target` lines; blank lines and lines
-        starting with # are skipped; anything else is an error naming the file and line."""
+    def load(cls, path: Path, ignore_case: bool = False, prefix: bool = False) -> Terminology:
+        """Read a TSV file (plain or .gz) of `source<TAB>target` lines (a source may list forms
+        separated by `|`); blank lines and lines starting with # are skipped; anything else is
+        an error naming the file and line."""
         terms: dict[str, tuple[int, Term]] = {}
         for n, raw in enumerate(read_lines(path), 1):
             line = raw.rstrip("\r\n")
@@ -47,22 +58,34 @@ class Terminology:
                     f"{path}:{n}: expected a source term and a target term separated by one "
                     f"tab, found {len(fields)} field(s): {line[:80]!r}"
                 )
-            term = Term(fields[0].strip(), fields[1].strip())
-            if term.source in terms and terms[term.source][1] != term:
-                raise DataError(
-                    f"{path}:{n}: {term.source!r} is already translated as "
-                    f"{terms[term.source][1].target!r} on line {terms[term.source][0]}"
-                )
-            terms[term.source] = (n, term)
+            forms = [f.strip() for f in fields[0].split("|")]
+            if not all(forms):
+                raise DataError(f"{path}:{n}: an empty form in {fields[0][:80]!r} (forms: a|b)")
+            term = Term("|".join(forms), fields[1].strip())
+            for form in forms:
+                seen = terms.get(form.casefold() if ignore_case else form)
+                if seen is not None and seen[1].target != term.target:
+                    raise DataError(
+                        f"{path}:{n}: {form!r} is already translated as {seen[1].target!r} on "
+                        f"line {seen[0]}"
+                    )
+                terms[form.casefold() if ignore_case else form] = (n, term)
         if not terms:
             raise DataError(f"{path}: no terms (a line is: source term<TAB>target term)")
-        return cls([t for _, t in terms.values()])
+        return cls(list({id(t): t for _, t in terms.values()}.values()), ignore_case, prefix)
+
+    @classmethod
+    def of_pairs(
+        cls, pairs: list[tuple[str, str]], ignore_case: bool = False, prefix: bool = False
+    ) -> Terminology:
+        """Terms given as (source, target) pairs (a request's own glossary)."""
+        return cls([Term(s.strip(), t.strip()) for s, t in pairs], ignore_case, prefix)
 
     def find(self, line: str) -> list[Term]:
         """The terms `line` contains, in their order there, each once."""
         if self.pattern is None:
             return []
-        found = [self.terms[m.group(0)] for m in self.pattern.finditer(line)]
+        found = [self.terms[self._key(m.group(0))] for m in self.pattern.finditer(line)]
         return list(dict.fromkeys(found))
 
 

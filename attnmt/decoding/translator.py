@@ -92,6 +92,8 @@ class Translator:
         terminology: str | Path | None = None,
         shortlist: bool | None = None,
         threads: int | None = None,
+        terms_ignore_case: bool = False,
+        terms_prefix: bool = False,
     ) -> Translator:
         """Load a model directory, or several as an ensemble (the mean of their log-
         probabilities at each step; they must share their SentencePiece models; the first
@@ -100,8 +102,10 @@ class Translator:
         decode.precision);
         matmul auto, blas or onednn (default decode.matmul); workers: batches searched at once
         (default decode.workers; CPU only); terminology: a TSV file of source term TAB
-        target term (Terminology.load); shortlist: output only each batch's lexical shortlist
-        (the first model directory's, from `attnmt shortlist`; default decode.shortlist);
+        target term (Terminology.load; its forms matched whatever their case with
+        terms_ignore_case, and where they start a longer word with terms_prefix); shortlist:
+        output only each batch's lexical shortlist (the first model directory's, from
+        `attnmt shortlist`; default decode.shortlist);
         threads: CPU threads (default: as many as other processes leave free, chosen again
         at most every second). Notes go to stderr."""
         start = CpuShare.now()
@@ -145,7 +149,9 @@ class Translator:
         n_workers = (workers or cfg.decode.workers) if dev.type == "cpu" else 1
         members = tuple(c for c, _, _ in loaded)
         net = for_decoding(net, precision)
-        terms = None if terminology is None else Terminology.load(Path(terminology))
+        terms = None
+        if terminology is not None:
+            terms = Terminology.load(Path(terminology), terms_ignore_case, terms_prefix)
         short = None
         if cfg.decode.shortlist if shortlist is None else shortlist:
             short = load_shortlist(dirs[0], tokenizer)
@@ -321,6 +327,7 @@ class Translator:
         constraints: Sequence[Sequence[str]] | None = None,
         markup: bool = False,
         first_line: int = 0,
+        glossary: Terminology | None = None,
     ) -> Prepared:
         """Check lines and their per-line options and make them ready to search: the one
         check of a request, whoever sends it. `target_lang`: the language to translate into (a
@@ -330,7 +337,8 @@ class Translator:
         constrained beam search), joined by the terminology's terms found in the line
         (Translation.terms); `markup`: the lines hold inline tags, translated around
         (attnmt.decoding.markup); `first_line`: lines before these, for the errors' line
-        numbers."""
+        numbers; `glossary`: terms of this request's own, found as the terminology's are and
+        joined to them."""
         if isinstance(lines, str) or not isinstance(lines, Sequence):
             raise AttnmtError("lines: expected a list of sentences (one str: wrap it in a list)")
         for i, line in enumerate(lines):
@@ -348,7 +356,7 @@ class Translator:
             parsed = [parse(line) for line in lines]
             lines, trees = [text for text, _ in parsed], [tree for _, tree in parsed]
             options = replace(options, attention=options.attention or self.alignment_spec())
-        terms, phrases = self._constraints(lines, constraints, options, first_line)
+        terms, phrases = self._constraints(lines, constraints, options, first_line, glossary)
         return Prepared(options, list(lines), source_prefix, target_prefix, terms, phrases, trees)
 
     def decode(
@@ -379,6 +387,7 @@ class Translator:
         constraints: Sequence[Sequence[str]] | None,
         options: SearchOptions,
         first_line: int = 0,
+        glossary: Terminology | None = None,
     ) -> tuple[list[list[Term]], list[list[list[int]]] | None]:
         """Per line, the terminology's terms found in it, and the target ids of every phrase
         it must contain (the given ones, then the terms'); None: no line has any."""
@@ -391,7 +400,8 @@ class Translator:
                 _check_strs(f"constraints[{i}]", c)
                 if any(not p.strip() for p in c):
                     raise AttnmtError(f"constraints[{i}]: an empty phrase")
-        terms = [[] if self.terminology is None else self.terminology.find(x) for x in lines]
+        glossaries = [g for g in (self.terminology, glossary) if g is not None]
+        terms = [list(dict.fromkeys(t for g in glossaries for t in g.find(x))) for x in lines]
         given = constraints or [[] for _ in lines]
         texts = [[*c, *(t.target for t in found)] for c, found in zip(given, terms, strict=True)]
         if not any(texts):

@@ -213,6 +213,8 @@ def check_lines(model_dir: Path, given: Path | None) -> tuple[list[str], str]:
     if given is not None:
         return read_lines(given)[:CHECK_LINES], str(given)
     cfg, _ = read_run_files(model_dir)
+    if not cfg.data.dev_sets:  # an imported model names no data
+        return [], ""
     dev = cfg.data.dev_sets[0]
     try:
         sources, _ = read_test_set(dev)

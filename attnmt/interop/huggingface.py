@@ -345,21 +345,14 @@ def _config(
     cfg_model: ModelConfig, hf: dict[str, Any], source: Path, out: Path, joint: bool
 ) -> Config:
     """The model directory's config: the imported model, its tokenizer files (the directory's
-    own, conformed), decoding defaults from the source; data names the source (no corpus)."""
+    own, conformed), decoding defaults from the source; no data paths (the
+    source's corpora are not part of it)."""
     target = out.resolve()
     files = [Tokenizer.JOINT_FILE] if joint else [Tokenizer.SRC_FILE, Tokenizer.TGT_FILE]
     keys = ["model"] if joint else ["src_model", "tgt_model"]
     spm = {k: str(target / name) for k, name in zip(keys, files, strict=True)}
-    origin = {
-        "src": str(source.resolve() / "source.spm"),
-        "tgt": str(source.resolve() / "target.spm"),
-    }
     raw: dict[str, Any] = {
-        "data": {
-            "train": origin,
-            "dev": origin,
-            "max_len": int(hf.get("max_position_embeddings", 512)),
-        },
+        "data": {"max_len": int(hf.get("max_position_embeddings", 512))},  # no corpus
         "tokenizer": {"joint": joint, **spm},
         "model": cfg_model.model_dump(mode="json"),
         "decode": {"beam": int(hf.get("num_beams") or 5)},

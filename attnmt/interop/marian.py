@@ -362,13 +362,13 @@ def layer_state(take: Any, cfg: ModelConfig) -> dict[str, torch.Tensor]:
 def config(cfg_model: ModelConfig, files: NativeFiles, out: Path, joint: bool) -> Config:
     """The model directory's config: the imported model, its tokenizer files (the directory's
     own, conformed), the beam and Marian's output limit (ceil(max-length-factor x source
-    pieces with EOS)) from the decoder config; data names the source (no corpus)."""
+    pieces with EOS)) from the decoder config; no data paths (the
+    source's corpora are not part of it)."""
     target = out.resolve()
     names = [Tokenizer.JOINT_FILE] if joint else [Tokenizer.SRC_FILE, Tokenizer.TGT_FILE]
     keys = ["model"] if joint else ["src_model", "tgt_model"]
-    origin = {"src": str(files.spm[0].resolve()), "tgt": str(files.spm[1].resolve())}
     raw: dict[str, Any] = {
-        "data": {"train": origin, "dev": origin},
+        "data": {},  # no corpus: its training data is not part of the model
         "tokenizer": {
             "joint": joint,
             **{k: str(target / n) for k, n in zip(keys, names, strict=True)},
@@ -379,6 +379,7 @@ def config(cfg_model: ModelConfig, files: NativeFiles, out: Path, joint: bool) -
             "max_len_a": files.length_factor,
             "max_len_b": 0,
             "max_len_round": "ceil",
+            "allow_unk": False,  # marian-decoder's default (--allow-unk off)
         },
     }
     return from_dict(raw)

@@ -30,6 +30,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException
 
 from attnmt.decoding.alignment import align
+from attnmt.decoding.terminology import Terminology
 from attnmt.decoding.translator import Translator
 from attnmt.errors import AttnmtError, TooMuchWork
 from attnmt.serve.batcher import Batcher
@@ -143,7 +144,7 @@ def _translate_route(
             check_work(translator, request, options, limits)
             prepared = translator.prepare(
                 request.text, options, request.target_lang, request.prefix,
-                request.constraints, request.markup,
+                request.constraints, request.markup, glossary=glossary(translator, request),
             )  # fmt: skip
         except RequestError as e:
             return error_response(e.status, str(e))
@@ -151,7 +152,7 @@ def _translate_route(
             return error_response(413, str(e))
         except AttnmtError as e:
             return error_response(422, str(e))
-        terms = translator.terminology is not None
+        terms = translator.terminology is not None or request.terminology is not None
         if not request.text:
             return answer([], options.n_best, terms)
         try:
@@ -182,6 +183,15 @@ def _translate_route(
         return document
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def glossary(translator: Translator, request: TranslateRequest) -> Terminology | None:
+    """A request's own glossary, matched as the server's terminology is (case, prefixes)."""
+    if request.terminology is None:
+        return None
+    served = translator.terminology
+    ignore_case, prefix = (served.ignore_case, served.prefix) if served else (False, False)
+    return Terminology.of_pairs([(s, t) for s, t in request.terminology], ignore_case, prefix)
 
 
 async def finished(http: Request, future: Future) -> bool:

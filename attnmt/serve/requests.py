@@ -15,7 +15,13 @@ from pydantic import ValidationError
 from attnmt.decoding.search import Beam, SearchOptions, output_limit
 from attnmt.decoding.translate import Translation
 from attnmt.decoding.translator import Translator
-from attnmt.serve.schema import MAX_PHRASES, Limits, TranslateRequest
+from attnmt.serve.schema import (
+    MAX_PHRASES,
+    MAX_TERM_CHARS,
+    MAX_TERMS,
+    Limits,
+    TranslateRequest,
+)
 
 
 class RequestError(Exception):
@@ -75,6 +81,7 @@ def parse_request(body: bytes) -> TranslateRequest:
     except RecursionError:
         raise RequestError(422, "not a request: JSON nested too deeply") from None
     phrases = [(f"constraints[{i}]", c) for i, c in enumerate(request.constraints or [])]
+    phrases += [(f"terminology[{i}]", p) for i, p in enumerate(request.terminology or [])]
     for name, items in (("text", request.text), ("prefix", request.prefix or []), *phrases):
         for i, line in enumerate(items):
             try:
@@ -99,11 +106,28 @@ def check_limits(request: TranslateRequest, limits: Limits) -> None:
     for i, p in enumerate(request.prefix or []):
         if len(p) > limits.max_chars:
             raise RequestError(413, f"prefix[{i}]: {len(p)} characters; at most {limits.max_chars}")
+    check_glossary(request.terminology)
     for i, c in enumerate(request.constraints or []):
         if len(c) > MAX_PHRASES or sum(map(len, c)) > limits.max_chars:
             raise RequestError(413, f"constraints[{i}]: {len(c)} phrases of "
                                     f"{sum(map(len, c))} characters; at most {MAX_PHRASES} "
                                     f"of {limits.max_chars} in all")  # fmt: skip
+
+
+def check_glossary(pairs: list[list[str]] | None) -> None:
+    """413 for a glossary over MAX_TERMS pairs or MAX_TERM_CHARS characters a side; 422 for
+    an item that is not a [source, target] pair of text."""
+    if pairs is None:
+        return
+    if len(pairs) > MAX_TERMS:
+        raise RequestError(413, f"terminology: {len(pairs)} pairs; at most {MAX_TERMS}")
+    for i, pair in enumerate(pairs):
+        if len(pair) != 2 or not all(side.strip() for side in pair):
+            raise RequestError(422, f"terminology[{i}]: expected [source, target], both text")
+        if any(len(side) > MAX_TERM_CHARS for side in pair):
+            raise RequestError(413, f"terminology[{i}]: a side over {MAX_TERM_CHARS} characters")
+        if any(not form.strip() for form in pair[0].split("|")):
+            raise RequestError(422, f"terminology[{i}]: an empty form in {pair[0]!r} (a|b)")
 
 
 def check_work(

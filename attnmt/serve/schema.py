@@ -27,6 +27,8 @@ class Limits:
 
 
 MAX_PHRASES = 32  # constraints per line a request may give
+MAX_TERMS = 256  # [source, target] pairs of a request's own glossary
+MAX_TERM_CHARS = 200  # characters of a glossary's source (all its forms) or target
 
 
 class SamplingRequest(BaseModel):
@@ -70,6 +72,11 @@ class TranslateRequest(BaseModel):
     alignments: bool = Field(
         False, description="Also return each line's word alignment (`alignments`)."
     )
+    terminology: list[list[str]] | None = Field(
+        None, description="A glossary of this request's own: [source, target] pairs (a "
+        "source may list forms separated by |), found in each line as serve --terminology's "
+        f"terms are and joined to them (beam search); at most {MAX_TERMS} pairs.",
+    )  # fmt: skip
     markup: bool = Field(
         False, description="The lines hold inline XML/HTML tags: each is put back around "
         "the aligned output words (as translate --markup).",

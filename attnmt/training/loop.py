@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from attnmt.training.runlog import METRIC_NAMES, ProgressBar, RunLog, Throughput
 from attnmt.training.setup import Run, setup
 from attnmt.training.step import (
     BUDGET_PROBE_STEPS,
+    QUIET_S,
     log_budget,
     log_train,
     skip_step,
@@ -131,7 +133,8 @@ def train_loop(run: Run) -> dict[str, Any]:
                     p.bad_steps_in_a_row = 0
                     meter.add(result)
                     bar.update(result)
-                    if p.step % t.log_every == 0 or p.step == 1:
+                    quiet_s = time.monotonic() - run.log.last_line  # no bar: a line now and then
+                    if p.step % t.log_every == 0 or p.step == 1 or quiet_s >= QUIET_S:
                         log_train(run, result, meter.take())
                     if p.step == BUDGET_PROBE_STEPS and t.time_budget is not None:
                         log_budget(run, result.budget_used, len(batches) // per_step)

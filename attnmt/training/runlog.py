@@ -53,6 +53,7 @@ class RunLog:
         self.enabled = enabled
         self.quiet = quiet
         self.board: Board | None = None  # TensorBoard, once setup opened it
+        self.last_line = time.monotonic()  # when a line last went to train.log
         torn = 0
         if enabled:
             torn = end_torn_lines(out / LOG_TEXT, out / LOG_JSONL)
@@ -75,6 +76,7 @@ class RunLog:
         if line is not None:
             self.text.write(line + "\n")
             self.text.flush()
+            self.last_line = time.monotonic()
             if echo and not self.quiet:
                 tqdm.write(line, file=sys.stderr)
 
@@ -121,6 +123,8 @@ class Throughput:
     seconds: float
     padding: float  # share of padded source + target positions
     src_tokens: int  # real source tokens (EOS included)
+    loss: float  # the steps' mean token loss: comparable from one window to the next
+    steps: int
 
 
 class ThroughputMeter:
@@ -132,8 +136,11 @@ class ThroughputMeter:
 
     def _reset(self, now: float) -> None:
         self.start, self.tokens, self.positions, self.real = now, 0, 0.0, 0.0
+        self.loss_sum, self.steps = 0.0, 0
 
     def add(self, result: StepResult) -> None:
+        self.loss_sum += result.loss_sum
+        self.steps += 1
         self.tokens += int(result.tokens)
         self.positions += result.positions
         self.real += result.real
@@ -148,6 +155,8 @@ class ThroughputMeter:
             seconds,
             1.0 - self.real / max(self.positions, 1.0),
             round(self.real) - self.tokens,
+            self.loss_sum / max(self.tokens, 1),
+            self.steps,
         )
         self._reset(now)
         return out

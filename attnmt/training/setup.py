@@ -211,7 +211,9 @@ def log_model(run: Run, resumed: bool) -> None:
     mm_backend = active_backend() if device.type == "cpu" else "blas"
     precision = run.precision
     fp32_cpu = device.type == "cpu" and precision == "fp32"
-    faster = fp32_cpu and resolve_precision("auto", device) == "bf16"
+    # Only where the config leaves the precision to its default: a chosen fp32 is a choice.
+    chosen = "precision" in t.model_fields_set
+    faster = fp32_cpu and not chosen and resolve_precision("auto", device) == "bf16"
     batches = t.accumulate * run.ranks.world  # per update: accumulated x processes
     unit = f"{t.batch_sentences:,} sentences" if t.batch_sentences else f"{t.batch_tokens:,} tokens"
     run.log.event(

@@ -144,8 +144,9 @@ def log_train(run: Run, result: StepResult, window: Throughput) -> None:
     line = None
     if sys.stderr is None or not sys.stderr.isatty():
         line = (
-            f"step {result.step} | epoch {run.progress.epoch} | loss {result.loss:.3f} | "
-            f"lr {result.lr:.2e} | {window.tokens_per_s:,.0f} tokens/s | {run.elapsed():.0f} s"
+            f"step {result.step} | epoch {run.progress.epoch} | train loss {window.loss:.3f} "
+            f"(mean of {window.steps} steps) | lr {result.lr:.2e} | "
+            f"{window.tokens_per_s:,.0f} tokens/s | {run.elapsed():.0f} s"
         )
     run.log.event(
         "train",
@@ -153,6 +154,7 @@ def log_train(run: Run, result: StepResult, window: Throughput) -> None:
         step=result.step,
         epoch=run.progress.epoch,
         loss=result.loss,
+        mean_loss=round(window.loss, 5),
         lr=result.lr,
         tokens_per_s=round(window.tokens_per_s, 1),
         tokens=window.tokens,
@@ -166,9 +168,12 @@ def log_train(run: Run, result: StepResult, window: Throughput) -> None:
 
 # A budgeted run says after this many steps how many its budget allows at their speed.
 BUDGET_PROBE_STEPS = 20
-# Fewer steps than this, or less than one epoch, and the model will not translate yet: the
-# README's smallest real result (Multi30k T, 1,000 steps of 4,096 tokens: BLEU 34) took this.
-FEW_STEPS = 1000
+# Fewer steps than this and the model will not translate yet: the manual's smallest results
+# are Tatoeba en-fr from 500 steps (BLEU 19.6; docs/tatoeba.md) and a user's own de-en corpus
+# from 616 (BLEU 23). A budget that gives less than one epoch is no reason to warn.
+FEW_STEPS = 300
+# Without a progress bar (output not a terminal), a train line at least this often.
+QUIET_S = 30.0
 
 
 def log_budget(run: Run, budget_used: float, steps_per_epoch: int) -> None:
@@ -178,14 +183,13 @@ def log_budget(run: Run, budget_used: float, steps_per_epoch: int) -> None:
     p = run.progress
     steps = int(p.step / max(budget_used, 1e-9))
     epochs = steps / max(steps_per_epoch, 1)
-    few = steps < FEW_STEPS or epochs < 1.0
+    few = steps < FEW_STEPS
     line = (
         f"time budget: about {steps:,} steps ({epochs:.2f} epochs) at the speed of the first "
         f"{p.step} steps"
         + (
-            f"; warning: expect a model that cannot translate yet (the README's smallest result,"
-            f" Multi30k T, took {FEW_STEPS:,} steps): give it more time, or a smaller model or "
-            "corpus"
+            "; warning: expect a model that cannot translate yet (the manual's smallest "
+            "results took 500 steps or more): give it more time, or a smaller model or corpus"
             if few else ""
         )
     )  # fmt: skip

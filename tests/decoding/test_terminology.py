@@ -82,3 +82,47 @@ def test_constraints_and_applied_terms_over_http(trained, tmp_path):
         )
         greedy = httpx.post(f"{url}/translate", json={**body, "beam": 1})
         assert greedy.status_code == 422 and "need beam search" in greedy.json()["error"]
+
+
+def test_entries_list_forms_and_match_by_case_or_as_a_compound_start(tmp_path):
+    tsv = write_lines(tmp_path / "t.tsv", ["Fahrrad|Fahrrads|Fahrräder\tbicycle", "Haus\thouse"])
+    exact = Terminology.load(tsv)
+    assert [t.target for t in exact.find("Zwei Fahrräder, ein Fahrrads")] == ["bicycle"]
+    assert exact.find("fahrrad, Fahrradhelm, Hausboot") == []
+    folded = Terminology.load(tsv, ignore_case=True)
+    assert [t.target for t in folded.find("FAHRRAD und haus")] == ["bicycle", "house"]
+    compound = Terminology.load(tsv, ignore_case=True, prefix=True)
+    assert [t.target for t in compound.find("ein Fahrradhelm im Hausboot")] == ["bicycle", "house"]
+    assert compound.find("Rathaus") == []  # a word's start only, not its end
+    clash = write_lines(tmp_path / "c.tsv", ["Haus|Heim\thouse", "heim\thome"])
+    with pytest.raises(DataError, match=r"c\.tsv:2: 'heim' is already translated as 'house'"):
+        Terminology.load(clash, ignore_case=True)
+
+
+def test_the_cli_matches_terms_by_case_and_prefix(trained, tmp_path, run_cli):
+    terms = write_lines(tmp_path / "t.tsv", ["w2\tt9"])
+    src = write_lines(tmp_path / "in.txt", ["w1 W2", "w1 w2x"])
+    args = ("translate", "-m", str(trained[0]), "-i", str(src), "--beam", "3",
+            "--terminology", str(terms))  # fmt: skip
+    plain = run_cli(*args).stdout.splitlines()
+    assert all(" t9" not in f" {line} " for line in plain)
+    r = run_cli(*args, "--terms-ignore-case", "--terms-prefix")
+    assert r.code == 0, r.stderr
+    assert all("t9" in line.split() for line in r.stdout.splitlines()), r.stdout
+
+
+def test_a_request_brings_its_own_glossary(trained):
+    translator = Translator.load(trained[0], "cpu")
+    for url in start_server(translator, Limits(), access_log=False):
+        body = {"text": ["w1 w2"], "beam": 3, "terminology": [["w2|w3", "t9"]]}
+        r = httpx.post(f"{url}/translate", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        assert "t9" in r.json()["translations"][0].split()
+        assert r.json()["terms"] == [[{"source": "w2|w3", "target": "t9"}]]
+        many = {**body, "terminology": [[f"a{i}", "t1"] for i in range(300)]}
+        assert httpx.post(f"{url}/translate", json=many, timeout=30).status_code == 413
+        bad = {**body, "terminology": [["w2"]]}
+        r = httpx.post(f"{url}/translate", json=bad, timeout=30)
+        assert r.status_code == 422 and "expected [source, target]" in r.json()["error"]
+        plain = httpx.post(f"{url}/translate", json={"text": ["w1 w2"], "beam": 3}, timeout=30)
+        assert "terms" not in plain.json()

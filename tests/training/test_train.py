@@ -551,7 +551,7 @@ def test_without_a_terminal_progress_lines_reach_train_log(tmp_path: Path, corpu
     train(from_dict(raw), tmp_path / "m", quiet=True)
     text = (tmp_path / "m" / "train.log").read_text()
     for step in (2, 4):
-        assert f"step {step} | epoch 1 | loss " in text and " tokens/s | " in text
+        assert f"step {step} | epoch 1 | train loss " in text and " tokens/s | " in text
 
 
 def test_a_budget_that_allows_too_few_steps_is_said_early(run):
@@ -560,10 +560,13 @@ def test_a_budget_that_allows_too_few_steps_is_said_early(run):
     step_mod.log_budget(run, 0.5, steps_per_epoch=100)
     run.progress.step = 20
     step_mod.log_budget(run, 0.01, steps_per_epoch=100)  # 2,000 steps, 20 epochs: enough
+    run.progress.step = 20
+    step_mod.log_budget(run, 20 / 616, steps_per_epoch=5000)  # 616 steps gave BLEU 23: enough
     found = [e for e in events(run.out) if e["event"] == "budget"]
     assert [(e["steps"], e["epochs"], e["few"]) for e in found] == [
         (40, 0.4, True),
         (2000, 20.0, False),
+        (616, 0.123, False),
     ]
     lines = (run.out / "train.log").read_text()
     assert "about 40 steps (0.40 epochs)" in lines and "cannot translate yet" in lines
@@ -575,6 +578,29 @@ def test_the_model_line_says_when_bf16_would_be_faster(tmp_path: Path, corpus, m
     )
     train(from_dict(config(corpus, max_steps=1, eval_every=1)), tmp_path / "m", quiet=True)
     assert "bf16 is native on this CPU" in (tmp_path / "m" / "train.log").read_text()
+    chosen = config(corpus, max_steps=1, eval_every=1)
+    chosen["train"]["precision"] = "fp32"  # a config that chose fp32 is not told otherwise
+    train(from_dict(chosen), tmp_path / "m2", quiet=True)
+    assert "bf16 is native" not in (tmp_path / "m2" / "train.log").read_text()
+
+
+def test_the_train_line_is_the_mean_loss_since_the_last_line(tmp_path: Path, corpus, monkeypatch):
+    train(from_dict(config(corpus, max_steps=6, eval_every=100, log_every=3)), tmp_path / "m",
+          quiet=True)  # fmt: skip
+    found = [e for e in events(tmp_path / "m") if e["event"] == "train"]
+    assert [e["step"] for e in found] == [1, 3, 6]
+    # A window's mean is its steps' token losses, weighted by their tokens.
+    steps = {e["step"]: e for e in found}
+    assert steps[1]["mean_loss"] == round(steps[1]["loss"], 5)
+    lines = (tmp_path / "m" / "train.log").read_text()
+    assert "train loss" in lines and "(mean of 3 steps)" in lines
+
+
+def test_without_a_terminal_a_line_comes_at_least_every_so_often(tmp_path, corpus, monkeypatch):
+    monkeypatch.setattr("attnmt.training.loop.QUIET_S", 0.0)  # every step is "a while"
+    train(from_dict(config(corpus, max_steps=4, eval_every=100, log_every=100)), tmp_path / "m",
+          quiet=True)  # fmt: skip
+    assert [e["step"] for e in events(tmp_path / "m") if e["event"] == "train"] == [1, 2, 3, 4]
 
 
 def test_a_time_budget_holds_with_its_last_validation(tmp_path: Path, corpus):

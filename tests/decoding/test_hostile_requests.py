@@ -146,3 +146,24 @@ def test_13_comments_and_cdata_stay_as_they_are(translator, line):
         assert opaque in out and out.count("<b>") == 1, out
     else:  # a comment never closed runs to the line's end and stays whole
         assert out.endswith("<!-- <b>w2</b> w3") and out.count("<b>") == 1, out
+
+
+def test_59_unk_is_never_an_output_when_not_allowed(trained, run_cli, tmp_path):
+    translator = Translator.load(trained[0], "cpu")
+    output = translator.model.output
+    bias = torch.zeros(output.weight.size(0))
+    bias[1] = 100.0  # a model that likes <unk> best
+    output.bias = torch.nn.Parameter(bias, requires_grad=False)
+    for beam in (1, 3):
+        found = translator.search(["w1 w2", "w3"], translator.options(beam))
+        assert all("<unk>" in r[0].tgt_pieces or "⁇" in r[0].text for r in found)
+        translator.cfg = translator.cfg.model_copy(
+            update={"decode": translator.cfg.decode.model_copy(update={"allow_unk": False})}
+        )
+        found = translator.search(["w1 w2", "w3"], translator.options(beam))
+        assert all("<unk>" not in r[0].tgt_pieces for r in found), found
+        translator.cfg = translator.cfg.model_copy(
+            update={"decode": translator.cfg.decode.model_copy(update={"allow_unk": True})}
+        )
+    r = run_cli("translate", "-m", str(trained[0]), "--no-unk", stdin=b"w1\n")
+    assert r.code == 0, r.stderr

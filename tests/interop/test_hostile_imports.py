@@ -300,3 +300,24 @@ def test_14_the_hugging_face_export_says_when_it_uses_last(hf, tmp_path, run_cli
     r = run_cli("export", str(tmp_path / "m"), str(tmp_path / "e"), "--format", "huggingface")
     assert r.code == 0, r.stderr
     assert "has no best.safetensors yet; exporting last.safetensors" in r.stderr
+
+
+def test_59_a_native_marian_import_never_outputs_unk(native, tmp_path, run_cli):
+    r = run_cli("import", str(native), "--out", str(tmp_path / "m"))
+    assert r.code == 0, r.stderr
+    assert (
+        yaml.safe_load((tmp_path / "m" / "config.yaml").read_text())["decode"]["allow_unk"] is False
+    )
+
+
+def test_59_an_import_writes_no_data_paths(hf, tmp_path, run_cli):
+    assert run_cli("import", str(hf), "--out", str(tmp_path / "m")).code == 0
+    data = yaml.safe_load((tmp_path / "m" / "config.yaml").read_text())["data"]
+    assert "train" not in data or data["train"] is None, data
+    assert "dev" not in data or data["dev"] is None, data
+    r = run_cli("translate", "-m", str(tmp_path / "m"), stdin=b"w1 w2\n")
+    assert r.code == 0, r.stderr
+    config = tmp_path / "c.yaml"  # a training config must still name its corpora
+    config.write_text("data: {}\ntrain: {init_from: " + str(tmp_path / "m") + "}\n")
+    r = run_cli("train", "--config", str(config), "--out", str(tmp_path / "ft"))
+    assert r.code == 2 and "data.train is missing" in r.stderr, r.stderr
