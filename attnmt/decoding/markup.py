@@ -29,6 +29,8 @@ from attnmt.decoding.translate import Translation
 from attnmt.errors import AttnmtError
 
 MAX_DEPTH = 64  # tags open at once in a line
+TAIL = re.compile(r"[.,!?:;…]+$")  # punctuation ending a word
+ENTITY_END = re.compile(r"&(?:#\d+|#x[0-9a-fA-F]+|\w+);$")
 # What stays as it is: a comment (closed, or to the line's end) or a CDATA section.
 OPAQUE = re.compile(r"<!--.*?(?:-->|$)|<!\[CDATA\[.*?(?:\]\]>|$)", re.DOTALL)
 
@@ -48,6 +50,7 @@ class Element:
     start: int
     end: int = -1
     children: list[Element] = field(default_factory=list)
+    punct_inside: bool = True  # its last source word ends in punctuation (a tail may stay in)
 
     def whole(self) -> str:
         """The element with nothing inside but its children's tags (an empty span)."""
@@ -57,12 +60,13 @@ class Element:
 def parse(line: str) -> tuple[str, Element]:
     """The line's text (entities decoded, tags removed) and the tree of its tags."""
     root = Element("", "", 0)
-    stack, words, text = [root], 0, []
+    stack, words, text, last_word = [root], 0, [], ""
     at = 0
     for m in [*_tags(line), None]:
         chunk = html.unescape(line[at : m.start() if m else len(line)])
         text.append(chunk)
         words += len(chunk.split())  # each chunk starts a word: a tag ends the one before
+        last_word = chunk.split()[-1] if chunk.split() else last_word
         if m is None:
             break
         at = m.end()
@@ -80,12 +84,22 @@ def parse(line: str) -> tuple[str, Element]:
             while True:  # elements left open inside it close with it
                 e = stack.pop()
                 e.end = words
+                e.punct_inside = _tail(last_word) != ""
                 e.close = m.group(0) if _name(e.open) == name else f"</{_name(e.open)}>"
                 if _name(e.open) == name:
                     break
     for e in stack[1:]:  # never closed: to the line's end
         e.end, e.close = words, f"</{_name(e.open)}>"
     return " ".join("".join(text).split()), root
+
+
+def _tail(word: str) -> str:
+    """The punctuation a word ends in ("." of "wallet."), none if it is the whole word or an
+    entity's `;` (`&amp;`)."""
+    m = TAIL.search(word)
+    if m is None or m.start() == 0 or ENTITY_END.search(word[: m.end()]):
+        return ""
+    return m.group(0)
 
 
 def _tags(line: str) -> list[re.Match[str]]:
@@ -179,7 +193,13 @@ def _place(
         if last == first:
             tokens.append(("whole", c.whole()))
             continue
-        tokens += [("open", c.open), *_place(c, first, last, words, to_target), ("close", c.close)]
+        inner = _place(c, first, last, words, to_target)
+        tail: list[tuple[str, str]] = []
+        if not c.punct_inside and inner and inner[-1][0] == "word" and _tail(inner[-1][1]):
+            word = inner[-1][1]  # punctuation outside the tag in the source stays outside
+            inner[-1] = ("word", word[: len(word) - len(_tail(word))])
+            tail = [("tail", _tail(word))]
+        tokens += [("open", c.open), *inner, ("close", c.close), *tail]
         j = last
     return tokens + [("word", w) for w in words[j:hi]]
 
@@ -192,7 +212,7 @@ def _join(tokens: list[tuple[str, str]]) -> str:
         if kind == "word":
             out.append((" " if any_word else "") + pending + text)
             pending, any_word = "", True
-        elif kind == "close":
+        elif kind in ("close", "tail"):
             out.append(pending + text)
             pending = ""
         else:

@@ -81,7 +81,7 @@ class Shortlist:
             raise CheckpointError(f"{path}: not a shortlist (its metadata is not attnmt's)")
         ok = table.dim() == 2 and table.size(0) == src_vocab and frequent.dim() == 1
         ids = torch.cat([table.flatten(), frequent]) if ok else torch.tensor([])
-        if not ok or (ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < tgt_vocab):
+        if not ok or (ids.numel() and not -1 <= int(ids.min()) <= int(ids.max()) < tgt_vocab):
             raise CheckpointError(
                 f"{path}: made for another vocabulary (rebuild it: attnmt shortlist)"
             )

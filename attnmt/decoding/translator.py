@@ -573,9 +573,8 @@ def _check_list(name: str, given: object) -> None:
 
 
 def _check_strs(name: str, given: object) -> None:
-    _check_list(name, given)
-    if not all(isinstance(x, str) for x in given):  # type: ignore[attr-defined]
-        raise AttnmtError(f"{name}: expected a list of str")
+    if not isinstance(given, list | tuple) or not all(isinstance(x, str) for x in given):
+        raise AttnmtError(f"{name}: expected a list of str, not {type(given).__name__}")
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:

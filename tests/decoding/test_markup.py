@@ -97,3 +97,17 @@ def test_markup_from_the_cli_and_over_http(trained, tmp_path, run_cli):
         body = {"text": lines, "markup": True}
         reply = httpx.post(f"{url}/translate", json=body, timeout=60).json()
         assert reply["translations"] == out
+
+
+def test_59_punctuation_outside_a_tag_in_the_source_stays_outside():
+    from attnmt.decoding.markup import restore
+
+    pairs = [(0, 0), (1, 1), (2, 2), (3, 3)]
+    _, tree = parse("Ich verlor meine <b>Brieftasche</b>.")
+    assert restore(tree, "I lost my wallet.", pairs) == "I lost my <b>wallet</b>."
+    _, tree = parse('Wo ist <a href="/k">das Krankenhaus?</a>')  # inside there: inside here
+    assert (
+        restore(tree, "Where is the hospital?", pairs) == 'Where is <a href="/k">the hospital?</a>'
+    )
+    _, tree = parse("<b>Tom</b> und Jerry")
+    assert restore(tree, "Tom & Jerry", [(0, 0), (1, 1), (2, 2)]) == "<b>Tom</b> &amp; Jerry"
