@@ -205,8 +205,8 @@ class ModelConfig(_Section):
     activation: Literal["relu", "gelu", "swish"] = "relu"
     # The sinusoidal table's layout: sin and cos interleaved (Vaswani et al.), all sines then
     # all cosines (as transformers' MarianMTModel computes it), or Marian C++'s (halves with
-    # tensor2tensor's frequencies).
-    positions: Literal["interleaved", "halves", "marian"] = "interleaved"
+    # tensor2tensor's frequencies); or rope: no table, rotary positions in self-attention.
+    positions: Literal["interleaved", "halves", "marian", "rope"] = "interleaved"
     output_bias: bool = False  # a bias on the output projection (Marian's final_logits_bias)
     # The decoder's look at earlier target positions: masked self-attention, or an SSRU
     # recurrence (Kim et al. 2019; Firefox's students), a vector per layer when decoding.
@@ -221,6 +221,11 @@ class ModelConfig(_Section):
             raise ValueError(
                 f"model.hidden_size = {self.hidden_size} must be divisible by "
                 f"model.heads = {self.heads}"
+            )
+        if self.positions == "rope" and (self.hidden_size // self.heads) % 2:
+            raise ValueError(
+                f"model.positions rope turns pairs of a head's {self.hidden_size // self.heads} "
+                "values: model.hidden_size / model.heads must be even"
             )
         if self.arch == "rnn" and self.decoder != "attention":
             raise ValueError(

@@ -114,13 +114,7 @@ class Translator:
         )
         if not dirs:
             raise AttnmtError("no model directory given")
-        for flag, value, allowed, expected in (
-            ("--device", device, DEVICES, choices(DEVICES)),
-            ("--precision", precision, DECODE_PRECISIONS, choices(DECODE_PRECISIONS)),
-            ("--matmul", matmul, MATMUL_BACKENDS, ", ".join(MATMUL_BACKENDS)),
-        ):
-            if value is not None and value not in allowed:
-                raise AttnmtError(f"{flag} {value!r}: expected {expected}")
+        _check_choices(device, precision, matmul)
         dev = resolve_device(device)
         _check_int8(precision, dev)
         if workers is not None and workers > 1 and dev.type != "cpu":
@@ -587,6 +581,17 @@ def _check_number(name: str, value: object, low: float, high: float) -> None:
     ok = isinstance(value, int | float) and not isinstance(value, bool)
     if not ok or not math.isfinite(value) or not low <= value <= high:  # type: ignore[arg-type]
         raise AttnmtError(f"{name} {value!r}: expected a number from {low:g} to {high:g}")
+
+
+def _check_choices(device: str, precision: str | None, matmul: str | None) -> None:
+    """--device, --precision and --matmul among their choices (one line naming them)."""
+    for flag, value, allowed, expected in (
+        ("--device", device, DEVICES, choices(DEVICES)),
+        ("--precision", precision, DECODE_PRECISIONS, choices(DECODE_PRECISIONS)),
+        ("--matmul", matmul, MATMUL_BACKENDS, ", ".join(MATMUL_BACKENDS)),
+    ):
+        if value is not None and value not in allowed:
+            raise AttnmtError(f"{flag} {value!r}: expected {expected}")
 
 
 def _check_int8(precision: str | None, device: torch.device) -> None:

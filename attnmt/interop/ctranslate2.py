@@ -63,6 +63,11 @@ def export_ctranslate2(
             f"{model_dir} is a GRU model (model.arch: {cfg.model.arch}); CTranslate2 has no GRU "
             "decoder, so only Transformer models can be exported"
         )
+    if cfg.model.positions == "rope":
+        raise AttnmtError(
+            f"{model_dir} has rotary positions (model.positions: rope); CTranslate2's "
+            "encoder-decoder Transformer adds a position table, so it cannot express them"
+        )
     if cfg.model.decoder != "attention":
         raise AttnmtError(
             f"{model_dir} has an SSRU decoder (model.decoder: {cfg.model.decoder}); CTranslate2's "

@@ -168,6 +168,26 @@ def scaled_dot_product(
     return weights @ v, weights  # (B, h, T_q, d_v)
 
 
+def rotary(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding (RoFormer, Su et al. 2021, https://arxiv.org/abs/2104.09864,
+    eq. 34): each pair (x_2i, x_2i+1) of a head's vector at position m turns by the angle
+    m θ_i, θ_i = base^(-2i/d):
+
+        (x_2i, x_2i+1) -> (x_2i cos mθ_i - x_2i+1 sin mθ_i, x_2i sin mθ_i + x_2i+1 cos mθ_i)
+
+    so that a query at m and a key at n meet through their offset m - n alone (eq. 16).
+    x (B, h, T, d) with d even, positions (T,) -> (B, h, T, d)."""
+    d = x.size(-1)
+    theta = base ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)  # (d/2,)
+    angle = positions.to(x.device, torch.float32).unsqueeze(1) * theta  # (T, d/2)
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)  # (T, d/2)
+    even, odd = x[..., 0::2], x[..., 1::2]  # (B, h, T, d/2)
+    out = torch.empty_like(x)
+    out[..., 0::2] = even * cos - odd * sin
+    out[..., 1::2] = even * sin + odd * cos
+    return out
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention (Vaswani et al. 2017, https://arxiv.org/abs/1706.03762, sec. 3.2.2).
 
@@ -220,18 +240,23 @@ class MultiHeadAttention(nn.Module):
         causal: bool = False,
         need_weights: bool = False,
         average_attn_weights: bool = True,
+        q_positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attend from query (B, T_q, E) over projected heads k, v (B, h, T_k, d).
 
         Args:
             mask: additive float mask broadcastable to (B, h, T_q, T_k) (see additive_mask).
             causal: apply a causal mask (position t sees keys <= t).
+            q_positions: (T_q,) the queries' positions, for rotary positions (the keys were
+                turned by theirs: rotary).
         Returns:
             out (B, T_q, E) and, if need_weights, weights (B, T_q, T_k) averaged over heads
             or (B, h, T_q, T_k).
         """
         B, T_q, E = query.shape
         q = self.split_heads(self.q_proj(query))  # (B, h, T_q, d)
+        if q_positions is not None:
+            q = rotary(q, q_positions)  # (B, h, T_q, d)
         p = self.dropout if self.training else 0.0
         # torch's fused kernel where it is faster (attnmt.kernels); it gives no weights.
         out = None if need_weights else fused_attention(q, k, v, mask, causal, p)

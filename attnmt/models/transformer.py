@@ -19,7 +19,7 @@ from attnmt.config import ModelConfig
 from attnmt.data.batches import Batch
 from attnmt.data.tokenizer import PAD_ID
 from attnmt.kernels import Dropout, Linear, dropout_add, feed_forward, linear_cross_entropy
-from attnmt.models.attention import MultiHeadAttention, additive_mask
+from attnmt.models.attention import MultiHeadAttention, additive_mask, rotary
 from attnmt.models.seq2seq import AttentionSpec, Seq2Seq, gold_coins
 from attnmt.models.ssru import SSRU
 
@@ -47,8 +47,14 @@ def sinusoid_table(
     return table
 
 
+def positions_of(length: int, start: int, device: torch.device) -> torch.Tensor:
+    """Positions start..start+length-1 as a (length,) tensor."""
+    return torch.arange(start, start + length, device=device)
+
+
 class Embeddings(nn.Module):
-    """Token embedding × sqrt(d) + sinusoidal position, then dropout (sec. 3.4, 3.5)."""
+    """Token embedding × sqrt(d) + sinusoidal position, then dropout (sec. 3.4, 3.5). With
+    rotary positions (layout rope) no position is added here: self-attention turns q and k."""
 
     def __init__(self, embed: nn.Embedding, dropout: float, layout: str = "interleaved") -> None:
         super().__init__()
@@ -56,11 +62,14 @@ class Embeddings(nn.Module):
         self.scale = math.sqrt(embed.embedding_dim)
         self.layout = layout
         self.dropout = Dropout(dropout, inplace=True)  # on a sum autograd does not keep
-        table = sinusoid_table(512, embed.embedding_dim, layout=layout)
+        width = 0 if layout == "rope" else embed.embedding_dim
+        table = sinusoid_table(512, width, layout=layout) if width else torch.zeros(0, 0)
         self.register_buffer("pe", table, persistent=False)
 
     def forward(self, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """tokens (B, T) at positions offset..offset+T-1 -> (B, T, d)."""
+        if self.layout == "rope":
+            return self.dropout(self.embed(tokens) * self.scale)  # (B, T, d)
         T = tokens.size(1)
         if offset + T > self.pe.size(0):
             pe = sinusoid_table(offset + T, self.pe.size(1), layout=self.layout)
@@ -119,12 +128,16 @@ class EncoderLayer(nn.Module):
         self.ff = FeedForward(d, cfg.ff_size, cfg.dropout, cfg.activation)
         self.res_attn = Residual(d, cfg.dropout, pre)
         self.res_ff = Residual(d, cfg.dropout, pre)
+        self.rope = cfg.positions == "rope"
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """x (B, S, d), mask additive (B, 1, 1, S) -> (B, S, d)."""
         h = self.res_attn.normed_input(x)
         k, v = self.self_attn.project_kv(h, h)  # (B, h, S, d_h)
-        x = self.res_attn.add(x, self.self_attn.attend(h, k, v, mask)[0])
+        at = positions_of(x.size(1), 0, x.device) if self.rope else None  # (S,)
+        if at is not None:
+            k = rotary(k, at)  # (B, h, S, d_h)
+        x = self.res_attn.add(x, self.self_attn.attend(h, k, v, mask, q_positions=at)[0])
         return self.res_ff.add(x, self.ff(self.res_ff.normed_input(x)))
 
 
@@ -167,6 +180,7 @@ class DecoderLayer(nn.Module):
         self.res_self = Residual(d, cfg.dropout, pre)
         self.res_cross = Residual(d, cfg.dropout, pre)
         self.res_ff = Residual(d, cfg.dropout, pre)
+        self.rope = cfg.positions == "rope" and self.ssru is None  # an SSRU counts its own
 
     def forward(
         self,
@@ -182,7 +196,10 @@ class DecoderLayer(nn.Module):
             x = self.res_self.add(x, self.ssru(h))
         else:
             k, v = self.self_attn.project_kv(h, h)  # (B, h, T, d_h)
-            x = self.res_self.add(x, self.self_attn.attend(h, k, v, causal=True)[0])
+            at = positions_of(x.size(1), 0, x.device) if self.rope else None  # (T,)
+            if at is not None:
+                k = rotary(k, at)  # (B, h, T, d_h)
+            x = self.res_self.add(x, self.self_attn.attend(h, k, v, causal=True, q_positions=at)[0])
         h = self.res_cross.normed_input(x)
         out, weights = self.cross_attn.attend(
             h, cross_k, cross_v, src_mask, need_weights=need_weights
@@ -199,11 +216,13 @@ class DecoderLayer(nn.Module):
         src_mask: torch.Tensor,
         need_weights: bool = False,
         rows: torch.Tensor | None = None,
+        position: int = 0,
     ) -> tuple[torch.Tensor, LayerCache | RecurrentCache, torch.Tensor | None]:
         """One new position: x (N, 1, d) -> (N, 1, d), the grown cache, and (if asked) the
         per-head cross-attention weights (N, h, 1, S). N = G * B for cross_k of B rows:
         each group of G consecutive rows (a sentence's beams) shares one memory row.
-        rows (N,): the cache rows that the N rows of x continue (None: all, in order)."""
+        rows (N,): the cache rows that the N rows of x continue (None: all, in order);
+        position: the new position's index (rotary positions turn its q and k by it)."""
         h = self.res_self.normed_input(x)
         new_cache: LayerCache | RecurrentCache
         if isinstance(cache, RecurrentCache):
@@ -213,10 +232,13 @@ class DecoderLayer(nn.Module):
             x, new_cache = self.res_self.add(x, out), RecurrentCache(c)
         else:
             k_new, v_new = self.self_attn.project_kv(h, h)  # (N, h, 1, d_h)
+            at = positions_of(1, position, x.device) if self.rope else None  # (1,)
+            if at is not None:
+                k_new = rotary(k_new, at)  # cached turned: a key keeps its position
             k = append_position(cache.self_k, k_new, rows)  # (N, h, t+1, d_h)
             v = append_position(cache.self_v, v_new, rows)  # (N, h, t+1, d_h)
             # The newest position may see every cached one: no causal mask needed.
-            x = self.res_self.add(x, self.self_attn.attend(h, k, v)[0])
+            x = self.res_self.add(x, self.self_attn.attend(h, k, v, q_positions=at)[0])
             new_cache = LayerCache(k, v)
         h = self.res_cross.normed_input(x)
         N, _, d = h.shape
@@ -351,8 +373,9 @@ class TransformerSeq2Seq(Seq2Seq):
             zip(self.decoder_layers, state.caches, memory.cross, strict=True)
         ):
             x, cache, weights = layer.step(
-                x, cache, k, v, memory.src_mask, need_weights=i == want, rows=state.rows
-            )
+                x, cache, k, v, memory.src_mask, need_weights=i == want, rows=state.rows,
+                position=state.position,
+            )  # fmt: skip
             caches.append(cache)
             if weights is not None:
                 assert attention is not None
