@@ -11,13 +11,15 @@ import argparse
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "serve"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from test_page import CHROMIUM, DRIVER, png_size, translate_on_the_page
-from test_serve import start_server
 
 from attnmt import Translator
 from attnmt.serve.schema import Limits
+
+from helpers import start_server
 
 
 def main() -> int:

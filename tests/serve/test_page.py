@@ -68,7 +68,7 @@ def browser():
 
 
 def translate_on_the_page(browser, url: str, sentence: str) -> None:
-    """Open the page, type the sentence, press Enter (no mouse), wait for the answer."""
+    """Open the page, type the text, press Ctrl+Enter (no mouse), wait for the answer."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import WebDriverWait
@@ -78,7 +78,7 @@ def translate_on_the_page(browser, url: str, sentence: str) -> None:
     wait.until(lambda d: "(" in d.find_element(By.ID, "model").text)  # /health answered
     box = browser.find_element(By.ID, "source")
     box.clear()
-    box.send_keys(sentence, Keys.ENTER)
+    box.send_keys(sentence, Keys.CONTROL, Keys.ENTER)
     wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#heatmap tbody td"))
 
 
@@ -90,6 +90,7 @@ def png_size(path: Path) -> tuple[int, int]:
 
 def test_the_page_in_a_browser(server, trained, browser, run_cli, tmp_path):
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
     model, _ = trained
@@ -129,7 +130,7 @@ def test_the_page_in_a_browser(server, trained, browser, run_cli, tmp_path):
     ), "the page scrolls sideways at 320 CSS pixels"
     box = browser.find_element(By.ID, "source")
     box.clear()
-    box.send_keys("w1 " * 30 + "\n")  # 90 characters: over the server's 60 a line
+    box.send_keys("w1 " * 30, Keys.CONTROL, Keys.ENTER)  # 90 characters: over 60 a line
     WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, "error").text)
     error = browser.find_element(By.ID, "error").text
     assert error == "Error 413: text[0]: 90 characters; at most 60", error
@@ -177,8 +178,39 @@ def test_the_page_of_a_multilingual_model_asks_for_the_language(
         wait.until(lambda d: "(" in d.find_element(By.ID, "model").text)
         assert not browser.find_element(By.ID, "results").is_displayed()  # nothing yet
         assert Select(browser.find_element(By.ID, "lang")).first_selected_option.text == "choose…"
-        browser.find_element(By.ID, "source").send_keys("w1 w2", Keys.ENTER)
+        browser.find_element(By.ID, "source").send_keys("w1 w2", Keys.CONTROL, Keys.ENTER)
         assert browser.find_element(By.ID, "translation").text == ""  # no default language
         Select(browser.find_element(By.ID, "lang")).select_by_value("en")
         browser.find_element(By.ID, "go").click()
         wait.until(lambda d: d.find_element(By.ID, "results").is_displayed())
+
+
+def test_the_page_translates_lines_with_markup_and_a_glossary_and_copies(
+    server, trained, browser, run_cli
+):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    model, _ = trained
+    browser.get(f"{server}/")
+    wait = WebDriverWait(browser, 60)
+    wait.until(lambda d: "(" in d.find_element(By.ID, "model").text)
+    lines = ["w1 w2", "w3", "w4 w5 w6"]
+    box = browser.find_element(By.ID, "source")
+    box.send_keys(lines[0], Keys.ENTER, lines[1], Keys.ENTER, lines[2], Keys.CONTROL, Keys.ENTER)
+    wait.until(lambda d: d.find_element(By.ID, "results").is_displayed())
+    shown = browser.find_element(By.ID, "translation").text.split("\n")
+    assert shown == cli_lines(run_cli, model, lines, "--beam", "5")  # each line, in order
+    assert not browser.find_element(By.ID, "heatmap").is_displayed()  # maps: one line only
+    browser.find_element(By.ID, "copy").click()
+    wait.until(lambda d: d.find_element(By.ID, "copied").text == "Copied.")
+
+    box.clear()
+    browser.find_element(By.ID, "markup").click()
+    browser.find_element(By.ID, "glossary").send_keys("w2 = t9")
+    box.send_keys("<b>w1</b> w2", Keys.CONTROL, Keys.ENTER)
+    wait.until(lambda d: "<b>" in d.find_element(By.ID, "translation").text)
+    text = browser.find_element(By.ID, "translation").text
+    assert text.count("<b>") == 1 and text.count("</b>") == 1 and "t9" in text.split(), text
+    assert browser.find_element(By.ID, "terms").text == "Terms applied: w2 → t9"
