@@ -158,8 +158,8 @@ def model_options(
     workers: bool = True, search: bool = True
 ) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """Give a command --weights, --device, --precision, --matmul, --threads (and --workers,
-    and --allow-unk/--no-unk for commands that search) and pass
-    them to it as one `load: ModelLoad` argument: declared once, read once."""
+    and --allow-unk/--no-unk for commands that search) and pass them to it as one
+    `load: ModelLoad` argument: declared once, read once."""
     names = [n for n in _SHARED if (workers or n != "workers") and (search or n != "allow_unk")]
 
     def wrap(command: Callable[..., None]) -> Callable[..., None]:
