@@ -85,8 +85,9 @@ class Terminology:
         """The terms `line` contains, in their order there, each once."""
         if self.pattern is None:
             return []
-        found = [self.terms[self._key(m.group(0))] for m in self.pattern.finditer(line)]
-        return list(dict.fromkeys(found))
+        # A match the key does not fold to a form (Unicode case rules beyond re's) is skipped.
+        found = [self.terms.get(self._key(m.group(0))) for m in self.pattern.finditer(line)]
+        return list(dict.fromkeys(t for t in found if t is not None))
 
 
 def read_constraints(path: Path) -> Iterator[list[str]]:

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import ValidationError
 
 from attnmt.config import Config, ModelConfig, from_dict
 from attnmt.data.files import atomic_directory, atomic_write_bytes, check_export_path
@@ -32,6 +31,7 @@ from attnmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, SubwordVocab, 
 from attnmt.errors import CheckpointError
 from attnmt.interop.untrusted import (
     check_fits,
+    check_rows,
     check_state,
     expected_state,
     json_value,
@@ -39,6 +39,7 @@ from attnmt.interop.untrusted import (
     read_pickled_weights,
     read_safetensors,
     short,
+    validated_model,
     vocab_ids,
 )
 from attnmt.models.build import build_model
@@ -159,8 +160,7 @@ def _id(hf: dict[str, Any], key: str, where: Path, default: int | None = None) -
 def _check_rows(weights: dict[str, torch.Tensor], rows: list[int], where: Path) -> None:
     """Every id the vocabulary and the config name must be a row of the embeddings."""
     n = min(_embedding(weights, s).size(0) for s in ("encoder", "decoder"))
-    if rows and max(rows) >= n:
-        raise CheckpointError(f"{where}: id {max(rows)} is past the embeddings' {n:,} rows")
+    check_rows(rows, n, where)
 
 
 def model_config(hf: dict[str, Any], where: Path) -> tuple[ModelConfig, list[str]]:
@@ -208,21 +208,14 @@ def model_config(hf: dict[str, Any], where: Path) -> tuple[ModelConfig, list[str
     if number("dropout", 0.1) != number("attention_dropout", 0.0):
         notes.append("dropout and attention_dropout kept as the source has them")
     d = whole("d_model")
-    try:
-        cfg = ModelConfig(
-            arch="transformer", emb_size=d, hidden_size=d, heads=whole("encoder_attention_heads"),
-            ff_size=whole("encoder_ffn_dim"), enc_layers=whole("encoder_layers"),
-            dec_layers=whole("decoder_layers"), dropout=number("dropout", 0.1),
-            attention_dropout=number("attention_dropout", 0.0), norm="post",
-            activation=ACTIVATIONS[hf["activation_function"]], positions="halves",
-            output_bias=True, tie_embeddings=flag("tie_word_embeddings", True),
-        )  # fmt: skip
-    except ValidationError as e:
-        first = e.errors()[0]
-        raise CheckpointError(
-            f"{where}: {first['loc'][0] if first['loc'] else 'config'}: {first['msg']} "
-            f"(from the source's config)"
-        ) from None
+    cfg = validated_model(
+        where, "the source's config", arch="transformer", emb_size=d, hidden_size=d,
+        heads=whole("encoder_attention_heads"), ff_size=whole("encoder_ffn_dim"),
+        enc_layers=whole("encoder_layers"), dec_layers=whole("decoder_layers"),
+        dropout=number("dropout", 0.1), attention_dropout=number("attention_dropout", 0.0),
+        norm="post", activation=ACTIVATIONS[hf["activation_function"]], positions="halves",
+        output_bias=True, tie_embeddings=flag("tie_word_embeddings", True),
+    )  # fmt: skip
     return cfg, notes
 
 

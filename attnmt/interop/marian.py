@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from pydantic import ValidationError
 
 from attnmt.config import Config, ModelConfig, from_dict
 from attnmt.data.files import check_export_path
@@ -32,12 +31,14 @@ from attnmt.errors import CheckpointError
 from attnmt.interop.huggingface import Imported, model_rows, write_imported
 from attnmt.interop.untrusted import (
     check_fits,
+    check_rows,
+    check_size,
     check_state,
     expected_state,
-    read_bytes,
     read_npz,
     read_text,
     short,
+    validated_model,
     vocab_ids,
     yaml_value,
 )
@@ -86,7 +87,7 @@ def import_marian(source: Path, out: Path, force: bool = False, spm: list[Path] 
     arrays.pop("special:model.yml")
     joint = files.spm[0] == files.spm[1] and bool(options.get("tied-embeddings-all"))
     for path in set(files.spm):
-        read_bytes(path, "a SentencePiece model")  # its size, before SentencePiece reads it
+        check_size(path, "a SentencePiece model")  # before SentencePiece reads it
     tokenizer = Tokenizer.from_files([files.spm[0]] if joint else list(files.spm))
     rows = []
     for side, path in zip((tokenizer.src, tokenizer.tgt), files.vocabs, strict=True):
@@ -222,9 +223,7 @@ def _check_rows(arrays: dict[str, np.ndarray], rows: list[int], where: Path) -> 
     embeddings = [arrays[n] for n in ("Wemb", "encoder_Wemb", "decoder_Wemb") if n in arrays]
     if not embeddings:
         raise CheckpointError(f"{where}: no embeddings (Wemb, or encoder_Wemb and decoder_Wemb)")
-    n = min(e.shape[0] if e.ndim else 0 for e in embeddings)
-    if rows and max(rows) >= n:
-        raise CheckpointError(f"{where}: id {max(rows)} is past the embeddings' {n:,} rows")
+    check_rows(rows, min(e.shape[0] if e.ndim else 0 for e in embeddings), where)
 
 
 def read_vocab(path: Path) -> dict[str, int]:
@@ -233,7 +232,7 @@ def read_vocab(path: Path) -> dict[str, int]:
     if path.suffix == ".spm":
         import sentencepiece as spm
 
-        read_bytes(path, "a SentencePiece vocabulary")  # its size, before SentencePiece reads it
+        check_size(path, "a SentencePiece vocabulary")  # before SentencePiece reads it
         sp = spm.SentencePieceProcessor(model_file=str(path))
         return {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
     text = read_text(path, "a Marian vocabulary")
@@ -281,21 +280,15 @@ def native_config(o: dict[str, Any], where: Path) -> ModelConfig:
         return o[option]
 
     d = whole("dim-emb")
-    try:
-        return ModelConfig(
-            arch="transformer", emb_size=d, hidden_size=d, heads=whole("transformer-heads"),
-            ff_size=whole("transformer-dim-ffn"), enc_layers=whole("enc-depth"),
-            dec_layers=whole("dec-depth"), dropout=0.1, attention_dropout=0.1,
-            norm=norms[blocks], activation=o.get("transformer-ffn-activation", "swish"),
-            positions="marian", output_bias=not o.get("output-omit-bias", False),
-            tie_embeddings=bool(o.get("tied-embeddings") or o.get("tied-embeddings-all")),
-        )  # fmt: skip
-    except ValidationError as e:
-        first = e.errors()[0]
-        name = first["loc"][0] if first["loc"] else "options"
-        raise CheckpointError(
-            f"{where}: {name}: {first['msg']} (from the model's options)"
-        ) from None
+    return validated_model(
+        where, "the model's options", arch="transformer", emb_size=d, hidden_size=d,
+        heads=whole("transformer-heads"), ff_size=whole("transformer-dim-ffn"),
+        enc_layers=whole("enc-depth"), dec_layers=whole("dec-depth"), dropout=0.1,
+        attention_dropout=0.1, norm=norms[blocks],
+        activation=o.get("transformer-ffn-activation", "swish"), positions="marian",
+        output_bias=not o.get("output-omit-bias", False),
+        tie_embeddings=bool(o.get("tied-embeddings") or o.get("tied-embeddings-all")),
+    )  # fmt: skip
 
 
 def native_state(

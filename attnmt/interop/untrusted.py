@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 import yaml
+from pydantic import ValidationError
 
 from attnmt.config import ModelConfig, safe_yaml
 from attnmt.errors import CheckpointError
@@ -28,12 +29,20 @@ MAX_INFLATE = 16  # an npz member may inflate to this many times its stored size
 WEIGHT_DTYPES = {"F32", "F16", "BF16", "F64"}  # safetensors' names of the dtypes taken
 
 
-def read_bytes(path: Path, what: str, limit: int = MAX_FILE_BYTES) -> bytes:
-    """A file's bytes, refused unreadable or over `limit` before it is read."""
+def check_size(path: Path, what: str, limit: int = MAX_FILE_BYTES) -> None:
+    """Refuse a file over `limit` bytes (before anything reads it), or one that is missing."""
     try:
         size = path.stat().st_size
-        if size > limit:
-            raise CheckpointError(f"{path}: {size:,} bytes; {what} has at most {limit:,}")
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+    if size > limit:
+        raise CheckpointError(f"{path}: {size:,} bytes; {what} has at most {limit:,}")
+
+
+def read_bytes(path: Path, what: str, limit: int = MAX_FILE_BYTES) -> bytes:
+    """A file's bytes, refused unreadable or over `limit` before it is read."""
+    check_size(path, what, limit)
+    try:
         return path.read_bytes()
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
@@ -88,6 +97,23 @@ def short(value: object, width: int = 60) -> str:
     """A value as a message shows it: its repr, cut."""
     text = repr(value)
     return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def validated_model(where: Path, source: str, **fields: Any) -> ModelConfig:
+    """The model section an importer reads from a source's config, validated: a value out of
+    attnmt's range is one line naming it (`source`: where the values come from)."""
+    try:
+        return ModelConfig(**fields)
+    except ValidationError as e:
+        first = e.errors()[0]
+        name = first["loc"][0] if first["loc"] else "model"
+        raise CheckpointError(f"{where}: {name}: {first['msg']} (from {source})") from None
+
+
+def check_rows(rows: list[int], available: int, where: Path) -> None:
+    """Every id a vocabulary or config names must be one of the embeddings' rows."""
+    if rows and max(rows) >= available:
+        raise CheckpointError(f"{where}: id {max(rows)} is past the embeddings' {available:,} rows")
 
 
 def expected_state(cfg: ModelConfig, src_vocab: int, tgt_vocab: int, joint: bool) -> dict:

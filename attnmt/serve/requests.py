@@ -16,7 +16,6 @@ from attnmt.decoding.search import Beam, SearchOptions, output_limit
 from attnmt.decoding.translate import Translation
 from attnmt.decoding.translator import Translator
 from attnmt.serve.schema import (
-    MAX_PHRASES,
     MAX_TERM_CHARS,
     MAX_TERMS,
     Limits,
@@ -107,11 +106,11 @@ def check_limits(request: TranslateRequest, limits: Limits) -> None:
         if len(p) > limits.max_chars:
             raise RequestError(413, f"prefix[{i}]: {len(p)} characters; at most {limits.max_chars}")
     check_glossary(request.terminology)
-    for i, c in enumerate(request.constraints or []):
-        if len(c) > MAX_PHRASES or sum(map(len, c)) > limits.max_chars:
+    for i, c in enumerate(request.constraints or []):  # how many: decoding's to bound
+        if sum(map(len, c)) > limits.max_chars:
             raise RequestError(413, f"constraints[{i}]: {len(c)} phrases of "
-                                    f"{sum(map(len, c))} characters; at most {MAX_PHRASES} "
-                                    f"of {limits.max_chars} in all")  # fmt: skip
+                                    f"{sum(map(len, c))} characters; at most "
+                                    f"{limits.max_chars} in all")  # fmt: skip
 
 
 def check_glossary(pairs: list[list[str]] | None) -> None:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from attnmt.decoding.translator import MAX_CONSTRAINTS
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -26,7 +28,6 @@ class Limits:
         return self.max_lines * (12 * self.max_chars + 8) + 4096
 
 
-MAX_PHRASES = 32  # constraints per line a request may give
 MAX_TERMS = 256  # [source, target] pairs of a request's own glossary
 MAX_TERM_CHARS = 200  # characters of a glossary's source (all its forms) or target
 
@@ -67,7 +68,8 @@ class TranslateRequest(BaseModel):
     )  # fmt: skip
     constraints: list[list[str]] | None = Field(
         None, description="Per line of `text`, target phrases its translation must contain "
-        f"(lexically constrained beam search; at most {MAX_PHRASES} a line); [] for none.",
+        f"(lexically constrained beam search; at most {MAX_CONSTRAINTS} a line, terms "
+        "included); [] for none.",
     )  # fmt: skip
     alignments: bool = Field(
         False, description="Also return each line's word alignment (`alignments`)."
