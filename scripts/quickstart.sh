@@ -2,7 +2,7 @@
 # Quickstart: build a German->English number-words corpus, train a small Transformer on it,
 # translate a few test sentences and print the test BLEU as the last line.
 #   scripts/quickstart.sh [OUT_DIR]        (default: runs/quickstart)
-# ATTNMT_THREADS=1: train with one thread (faster on a machine busy with other work).
+# ATTNMT_THREADS=N: train with N threads (default 0: as many as other processes leave free).
 set -euo pipefail
 out=${1:-runs/quickstart}
 here=$(cd "$(dirname "$0")" && pwd)
