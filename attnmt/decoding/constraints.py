@@ -215,3 +215,20 @@ class Constraints:
             self.pos[rows],
             self.met[rows],
         )
+
+    def join(self, other: Constraints) -> None:
+        """Add another batch's sentences and rows after these (beam search's pool); the
+        phrases of sentences that left are dropped."""
+        used, self.sent = torch.unique(self.sent, return_inverse=True)  # sentences with rows
+        ids, lens = self.ids[used], self.lens[used]  # (B, C, L), (B, C)
+        C = max(ids.size(1), other.ids.size(1))
+        L = max(ids.size(2), other.ids.size(2))
+        self.ids = torch.cat(
+            [F.pad(x, (0, L - x.size(2), 0, C - x.size(1)), value=-1) for x in (ids, other.ids)]
+        )  # (B + B2, C, L)
+        self.lens = torch.cat([F.pad(x, (0, C - x.size(1))) for x in (lens, other.lens)])
+        self.banks = max(self.banks, other.banks)
+        self.sent = torch.cat([self.sent, other.sent + used.numel()])  # (R + R2,)
+        met = [F.pad(m, (0, C - m.size(1)), value=True) for m in (self.met, other.met)]
+        self.met = torch.cat(met)  # (R + R2, C); absent phrases: met
+        self.cur, self.pos = torch.cat([self.cur, other.cur]), torch.cat([self.pos, other.pos])

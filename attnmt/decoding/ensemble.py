@@ -54,3 +54,9 @@ class Ensemble(Seq2Seq):
 
     def select_state(self, state: list[Any], index: torch.Tensor) -> list[Any]:
         return [m.select_state(st, index) for m, st in zip(self.models, state, strict=True)]
+
+    def join_memory(self, first: list[Any], second: list[Any]) -> list[Any]:
+        return [m.join_memory(a, b) for m, a, b in zip(self.models, first, second, strict=True)]
+
+    def join_state(self, first: list[Any], second: list[Any]) -> list[Any]:
+        return [m.join_state(a, b) for m, a, b in zip(self.models, first, second, strict=True)]

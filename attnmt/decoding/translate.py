@@ -13,8 +13,9 @@ import torch
 from attnmt.data.batches import pad_sequences, sorted_batches
 from attnmt.data.processes import map_batches
 from attnmt.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
+from attnmt.decoding.batch import decode
 from attnmt.decoding.constraints import Wanted
-from attnmt.decoding.search import Hypothesis, Sampling, SearchOptions, decode, output_limit
+from attnmt.decoding.search import Hypothesis, Sampling, SearchOptions, output_limit
 from attnmt.decoding.shortlist import Shortlist, restricted
 from attnmt.decoding.terminology import Term
 from attnmt.device import PRECISION_DTYPES

@@ -176,11 +176,13 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> t
         (x_2i, x_2i+1) -> (x_2i cos mθ_i - x_2i+1 sin mθ_i, x_2i sin mθ_i + x_2i+1 cos mθ_i)
 
     so that a query at m and a key at n meet through their offset m - n alone (eq. 16).
-    x (B, h, T, d) with d even, positions (T,) -> (B, h, T, d)."""
+    x (B, h, T, d) with d even, positions (T,) or per row (B, T) -> (B, h, T, d)."""
     d = x.size(-1)
     theta = base ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)  # (d/2,)
-    angle = positions.to(x.device, torch.float32).unsqueeze(1) * theta  # (T, d/2)
-    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)  # (T, d/2)
+    angle = positions.to(x.device, torch.float32).unsqueeze(-1) * theta  # ([B,] T, d/2)
+    if angle.dim() == 3:
+        angle = angle.unsqueeze(1)  # (B, 1, T, d/2): every head of a row alike
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)  # ([B, 1,] T, d/2)
     even, odd = x[..., 0::2], x[..., 1::2]  # (B, h, T, d/2)
     out = torch.empty_like(x)
     out[..., 0::2] = even * cos - odd * sin
@@ -247,8 +249,8 @@ class MultiHeadAttention(nn.Module):
         Args:
             mask: additive float mask broadcastable to (B, h, T_q, T_k) (see additive_mask).
             causal: apply a causal mask (position t sees keys <= t).
-            q_positions: (T_q,) the queries' positions, for rotary positions (the keys were
-                turned by theirs: rotary).
+            q_positions: (T_q,) or (B, T_q) the queries' positions, for rotary positions
+                (the keys were turned by theirs: rotary).
         Returns:
             out (B, T_q, E) and, if need_weights, weights (B, T_q, T_k) averaged over heads
             or (B, h, T_q, T_k).

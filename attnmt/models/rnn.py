@@ -27,7 +27,7 @@ from attnmt.kernels import (
     linear_cross_entropy,
 )
 from attnmt.models.attention import AdditiveAttention, DotAttention, SourceAttention
-from attnmt.models.seq2seq import AttentionSpec, Seq2Seq, gold_coins
+from attnmt.models.seq2seq import AttentionSpec, Seq2Seq, gold_coins, pad_to
 
 
 @dataclass
@@ -204,6 +204,18 @@ class RNNSeq2Seq(Seq2Seq):
 
     def select_state(self, state: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         return state.index_select(1, index)  # (L, B', D)
+
+    def join_memory(self, first: RNNMemory, second: RNNMemory) -> RNNMemory:
+        S = max(first.enc_out.size(1), second.enc_out.size(1))
+        return RNNMemory(
+            torch.cat([pad_to(first.enc_out, 1, S, 0.0), pad_to(second.enc_out, 1, S, 0.0)]),
+            torch.cat([pad_to(first.proj_keys, 1, S, 0.0), pad_to(second.proj_keys, 1, S, 0.0)]),
+            torch.cat([pad_to(first.pad_mask, 1, S, True), pad_to(second.pad_mask, 1, S, True)]),
+            torch.cat([first.final, second.final]),
+        )  # (B1 + B2, S, ...): padding is masked, so each row attends as before
+
+    def join_state(self, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+        return torch.cat([first, second], dim=1)  # (L, N1 + N2, D): no positions to keep
 
     def loss(
         self,

@@ -6,10 +6,12 @@ A model is used through four explicit methods:
     logits, state, attn = model.decode_step(memory, state, prev_tokens)   # one target position
     loss_sum, n_tokens = model.loss(batch, tf_ratio, label_smoothing, generator)
 and `select_memory` / `select_state` to keep a subset of rows (or repeat them), which search
-uses. The state may have G times as many rows as the memory (G >= 1): rows i*G .. i*G+G-1 of
-the state and of prev_tokens then all attend over memory row i. Beam search keeps one memory
-row per sentence for its K beams that way, so the source side is read once per sentence, not
-once per beam, and reordering beams touches only the state.
+uses; `join_memory` / `join_state` put the rows of two batches together, the second's
+sentences possibly at an earlier step than the first's (serve's step-level pool: sentences
+join a running search). The state may have G times as many rows as the memory (G >= 1): rows
+i*G .. i*G+G-1 of the state and of prev_tokens then all attend over memory row i. Beam search
+keeps one memory row per sentence for its K beams that way, so the source side is read once
+per sentence, not once per beam, and reordering beams touches only the state.
 """
 
 from __future__ import annotations
@@ -73,6 +75,15 @@ class Seq2Seq(nn.Module):
         """Keep rows `index` (B',) of the decoder state (reorder beams, drop finished rows)."""
         raise NotImplementedError
 
+    def join_memory(self, first: Any, second: Any) -> Any:
+        """The rows of `first`, then those of `second` (sources of other lengths: padded)."""
+        raise NotImplementedError
+
+    def join_state(self, first: Any, second: Any) -> Any:
+        """The rows of `first`, then those of `second`, whose sentences may have decoded fewer
+        positions: each row goes on from its own position."""
+        raise NotImplementedError
+
     def forward(
         self,
         batch: Batch,
@@ -96,6 +107,19 @@ class Seq2Seq(nn.Module):
         probability 1 - tf_ratio the model's own argmax prediction is fed instead, per token.
         """
         raise NotImplementedError
+
+
+def pad_to(
+    x: torch.Tensor, dim: int, size: int, value: float | bool, left: bool = False
+) -> torch.Tensor:
+    """x padded with `value` along `dim` to `size` (at the end, or at the start if `left`)."""
+    missing = size - x.size(dim)
+    if missing == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    filler = x.new_full(shape, value)
+    return torch.cat([filler, x] if left else [x, filler], dim=dim)
 
 
 def sequence_loss(

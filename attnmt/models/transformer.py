@@ -20,7 +20,7 @@ from attnmt.data.batches import Batch
 from attnmt.data.tokenizer import PAD_ID
 from attnmt.kernels import Dropout, Linear, dropout_add, feed_forward, linear_cross_entropy
 from attnmt.models.attention import MultiHeadAttention, additive_mask, rotary
-from attnmt.models.seq2seq import AttentionSpec, Seq2Seq, gold_coins
+from attnmt.models.seq2seq import AttentionSpec, Seq2Seq, gold_coins, pad_to
 from attnmt.models.ssru import SSRU
 
 
@@ -47,9 +47,12 @@ def sinusoid_table(
     return table
 
 
-def positions_of(length: int, start: int, device: torch.device) -> torch.Tensor:
-    """Positions start..start+length-1 as a (length,) tensor."""
-    return torch.arange(start, start + length, device=device)
+def positions_of(length: int, start: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Positions start..start+length-1 as a (length,) tensor; from per-row starts (B,), (B,
+    length)."""
+    if isinstance(start, int):
+        return torch.arange(start, start + length, device=device)
+    return start.unsqueeze(1) + torch.arange(length, device=device)  # (B, length)
 
 
 class Embeddings(nn.Module):
@@ -66,17 +69,24 @@ class Embeddings(nn.Module):
         table = sinusoid_table(512, width, layout=layout) if width else torch.zeros(0, 0)
         self.register_buffer("pe", table, persistent=False)
 
-    def forward(self, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """tokens (B, T) at positions offset..offset+T-1 -> (B, T, d)."""
+    def forward(self, tokens: torch.Tensor, offset: int | torch.Tensor = 0) -> torch.Tensor:
+        """tokens (B, T) at positions offset..offset+T-1 -> (B, T, d); `offset` may be per
+        row, (B,) (sentences that joined a running search at other steps)."""
         if self.layout == "rope":
             return self.dropout(self.embed(tokens) * self.scale)  # (B, T, d)
         T = tokens.size(1)
-        if offset + T > self.pe.size(0):
-            pe = sinusoid_table(offset + T, self.pe.size(1), layout=self.layout)
+        end = offset + T if isinstance(offset, int) else int(offset.max()) + T
+        if end > self.pe.size(0):
+            pe = sinusoid_table(end, self.pe.size(1), layout=self.layout)
             pe = pe.to(self.pe.device, self.pe.dtype)
         else:
             pe = self.pe
-        x = self.embed(tokens) * self.scale + pe[offset : offset + T]  # (B, T, d)
+        at = (
+            pe[offset : offset + T]
+            if isinstance(offset, int)
+            else pe[positions_of(T, offset, pe.device)]
+        )
+        x = self.embed(tokens) * self.scale + at  # (B, T, d)
         return self.dropout(x)
 
 
@@ -145,6 +155,13 @@ class EncoderLayer(nn.Module):
 class LayerCache:
     self_k: torch.Tensor  # (B, h, t, d_h) keys of the positions decoded so far
     self_v: torch.Tensor  # (B, h, t, d_h)
+
+
+def last_positions(cache: torch.Tensor, t: int) -> torch.Tensor:
+    """A cache (N, h, t', d) as its last t positions: cut, or padded at the start."""
+    if cache.size(2) >= t:
+        return cache[:, :, cache.size(2) - t :]
+    return pad_to(cache, 2, t, 0.0, left=True)
 
 
 def append_position(
@@ -216,13 +233,16 @@ class DecoderLayer(nn.Module):
         src_mask: torch.Tensor,
         need_weights: bool = False,
         rows: torch.Tensor | None = None,
-        position: int = 0,
+        position: int | torch.Tensor = 0,
+        self_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, LayerCache | RecurrentCache, torch.Tensor | None]:
         """One new position: x (N, 1, d) -> (N, 1, d), the grown cache, and (if asked) the
         per-head cross-attention weights (N, h, 1, S). N = G * B for cross_k of B rows:
         each group of G consecutive rows (a sentence's beams) shares one memory row.
         rows (N,): the cache rows that the N rows of x continue (None: all, in order);
-        position: the new position's index (rotary positions turn its q and k by it)."""
+        position: the new position's index, or each row's (N,) (rotary positions turn its q
+        and k by it); self_mask (N, 1, 1, t+1): additive, -inf over cached positions a row
+        does not have (it joined the search later), or None: every row sees every one."""
         h = self.res_self.normed_input(x)
         new_cache: LayerCache | RecurrentCache
         if isinstance(cache, RecurrentCache):
@@ -237,8 +257,9 @@ class DecoderLayer(nn.Module):
                 k_new = rotary(k_new, at)  # cached turned: a key keeps its position
             k = append_position(cache.self_k, k_new, rows)  # (N, h, t+1, d_h)
             v = append_position(cache.self_v, v_new, rows)  # (N, h, t+1, d_h)
-            # The newest position may see every cached one: no causal mask needed.
-            x = self.res_self.add(x, self.self_attn.attend(h, k, v, q_positions=at)[0])
+            # The newest position may see every cached one (of its row): no causal mask.
+            out = self.self_attn.attend(h, k, v, self_mask, q_positions=at)[0]
+            x = self.res_self.add(x, out)
             new_cache = LayerCache(k, v)
         h = self.res_cross.normed_input(x)
         N, _, d = h.shape
@@ -275,10 +296,34 @@ class TransformerMemory:
 @dataclass
 class TransformerState:
     caches: list[LayerCache | RecurrentCache]
-    position: int  # number of target positions decoded so far
+    # Target positions decoded so far: one int when every row has decoded as many, else per
+    # row (N,), its own count, the last `position[n]` positions of the caches (join_state).
+    position: int | torch.Tensor
     # The cache rows the state's rows continue, (N,), or None: all, in order. select_state
     # only records them; the next step applies them as it appends its position.
     rows: torch.Tensor | None = None
+
+
+def _ordered(state: TransformerState) -> list[LayerCache | RecurrentCache]:
+    """The state's caches with its pending row order (select_state) applied."""
+    if state.rows is None:
+        return state.caches
+    rows = state.rows
+    return [
+        RecurrentCache(c.c.index_select(0, rows))
+        if isinstance(c, RecurrentCache)
+        else LayerCache(c.self_k.index_select(0, rows), c.self_v.index_select(0, rows))
+        for c in state.caches
+    ]
+
+
+def _per_row(position: int | torch.Tensor, caches: list) -> torch.Tensor:
+    """A state's position(s) as one per row: (N,)."""
+    if not isinstance(position, int):
+        return position
+    c = caches[0]
+    rows = c.c if isinstance(c, RecurrentCache) else c.self_k  # (N, ...)
+    return torch.full((rows.size(0),), position, device=rows.device)
 
 
 class TransformerSeq2Seq(Seq2Seq):
@@ -366,6 +411,7 @@ class TransformerSeq2Seq(Seq2Seq):
         attention: AttentionSpec | None = None,
     ) -> tuple[torch.Tensor, TransformerState, torch.Tensor | None]:
         x = self.tgt_embed(prev_tokens.unsqueeze(1), offset=state.position)  # (B, 1, d)
+        self_mask = self._joined_mask(state)  # (B, 1, 1, t+1) or None
         n_layers = len(self.decoder_layers)
         want = attention.layer % n_layers if attention is not None else -1
         caches, attn = [], None
@@ -374,7 +420,7 @@ class TransformerSeq2Seq(Seq2Seq):
         ):
             x, cache, weights = layer.step(
                 x, cache, k, v, memory.src_mask, need_weights=i == want, rows=state.rows,
-                position=state.position,
+                position=state.position, self_mask=self_mask,
             )  # fmt: skip
             caches.append(cache)
             if weights is not None:
@@ -395,7 +441,56 @@ class TransformerSeq2Seq(Seq2Seq):
 
     def select_state(self, state: TransformerState, index: torch.Tensor) -> TransformerState:
         rows = index if state.rows is None else state.rows.index_select(0, index)
-        return TransformerState(state.caches, state.position, rows)
+        position = state.position
+        if not isinstance(position, int):
+            position = position.index_select(0, index)  # (N',)
+        return TransformerState(state.caches, position, rows)
+
+    def join_memory(self, first: TransformerMemory, second: TransformerMemory) -> TransformerMemory:
+        S = max(first.src_mask.size(-1), second.src_mask.size(-1))
+        mask = [pad_to(m.src_mask, 3, S, -torch.inf) for m in (first, second)]  # (B_i, 1, 1, S)
+        cross = [
+            tuple(
+                torch.cat([pad_to(a, 2, S, 0.0), pad_to(b, 2, S, 0.0)])
+                for a, b in zip(x, y, strict=True)
+            )
+            for x, y in zip(first.cross, second.cross, strict=True)
+        ]  # (B1 + B2, h, S, d_h): the padding is masked, so each row attends as before
+        return TransformerMemory(torch.cat(mask), cross)  # type: ignore[arg-type]
+
+    def join_state(self, first: TransformerState, second: TransformerState) -> TransformerState:
+        """Rows of both, each with its own position: the caches are padded at the start (the
+        positions a row does not have, masked in its self-attention; _joined_mask), then cut
+        to the longest row's positions."""
+        a, b = _ordered(first), _ordered(second)
+        position = torch.cat([_per_row(first.position, a), _per_row(second.position, b)])  # (N,)
+        t = int(position.max())
+        caches: list[LayerCache | RecurrentCache] = []
+        for x, y in zip(a, b, strict=True):
+            if isinstance(x, RecurrentCache) and isinstance(y, RecurrentCache):
+                caches.append(RecurrentCache(torch.cat([x.c, y.c])))  # (N1 + N2, d)
+                continue
+            assert isinstance(x, LayerCache) and isinstance(y, LayerCache)
+            k = torch.cat([last_positions(x.self_k, t), last_positions(y.self_k, t)])
+            v = torch.cat([last_positions(x.self_v, t), last_positions(y.self_v, t)])
+            caches.append(LayerCache(k, v))  # (N1 + N2, h, t, d_h) each
+        return TransformerState(caches, position)
+
+    @staticmethod
+    def _joined_mask(state: TransformerState) -> torch.Tensor | None:
+        """Rows at their own positions (join_state): each sees the last position[n] cached
+        positions and the new one, -inf before them: (N, 1, 1, t + 1); None when rows share
+        one position."""
+        if isinstance(state.position, int):
+            return None
+        cache = next((c for c in state.caches if isinstance(c, LayerCache)), None)
+        if cache is None:
+            return None  # SSRU layers only: no cache to mask
+        t = cache.self_k.size(2)
+        keys = torch.arange(t + 1, device=state.position.device)  # (t+1,)
+        hidden = keys.unsqueeze(0) < (t - state.position).unsqueeze(1)  # (N, t+1)
+        mask = torch.zeros(hidden.shape, dtype=cache.self_k.dtype, device=hidden.device)
+        return mask.masked_fill(hidden, -torch.inf)[:, None, None, :]  # (N, 1, 1, t+1)
 
     def loss(
         self,

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from attnmt import Translator
+from attnmt.decoding.batch import decode
 from attnmt.decoding.constraints import Constraints, Wanted
-from attnmt.decoding.search import Beam, SearchOptions, decode
+from attnmt.decoding.search import Beam, SearchOptions
 from attnmt.decoding.translate import search_lines
 
 from conftest import make_pairs

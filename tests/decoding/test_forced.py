@@ -12,8 +12,9 @@ import torch
 from attnmt import Translator
 from attnmt.data.batches import pad_sequences
 from attnmt.data.tokenizer import EOS_ID, PAD_ID
+from attnmt.decoding.batch import decode
 from attnmt.decoding.forced import force_decode
-from attnmt.decoding.search import Beam, SearchOptions, decode
+from attnmt.decoding.search import Beam, SearchOptions
 
 from conftest import make_pairs, write_lines
 

@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from attnmt.config import from_dict
+from attnmt.decoding import greedy
+from attnmt.decoding.beam import beam_search
+from attnmt.decoding.greedy import greedy_search
 from attnmt.decoding.search import (
     Beam,
     Greedy,
     SearchOptions,
-    beam_search,
-    greedy_search,
     length_penalty,
     max_output_lengths,
     output_limit,
@@ -130,18 +131,17 @@ def test_beam_1_is_greedy(trained):
 def test_greedy_drops_finished_rows_late_without_changing_them(trained, share, monkeypatch):
     """Finished sentences stay in the batch until 1/share of its rows has finished (1: all,
     so never before the end; 1000: one, so right away); what they decode is ignored."""
-    import attnmt.decoding.search as search
 
     model, _, src, pad = trained
     src, pad = src.repeat(3, 1), pad.repeat(3, 1)  # 36 rows, so 1/4 is more than one
-    monkeypatch.setattr(search, "COMPACT_SHARE", 1_000_000)
+    monkeypatch.setattr(greedy, "COMPACT_SHARE", 1_000_000)
     alone = [
         greedy_search(
             model, src[i : i + 1], pad[i : i + 1], SearchOptions(max_len_a=1.5, max_len_b=5)
         )[0]
         for i in range(12)
     ]
-    monkeypatch.setattr(search, "COMPACT_SHARE", share)
+    monkeypatch.setattr(greedy, "COMPACT_SHARE", share)
     dropped: list[int] = []
     select = model.select_memory
     monkeypatch.setattr(
@@ -270,7 +270,7 @@ def test_parallel_workers_give_the_same_translations(
     lines, _ = make_pairs(13, 21)
     opts = SearchOptions(beam_or_greedy(beam, n_best=beam), attention=AttentionSpec())
     serial = search_lines(model, tok, lines, opts, batch_tokens=10_000, batch_sentences=2)
-    import attnmt.decoding.search as search_module
+    import attnmt.decoding.batch as search_module
 
     # Per batch searched: process id, thread name, its intra-op threads (a file, so that
     # forked workers can write it too).

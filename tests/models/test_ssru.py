@@ -10,7 +10,8 @@ import torch
 
 from attnmt import Translator
 from attnmt.config import from_dict
-from attnmt.decoding.search import Beam, Greedy, SearchOptions, decode
+from attnmt.decoding.batch import decode
+from attnmt.decoding.search import Beam, Greedy, SearchOptions
 from attnmt.models.ssru import SSRU
 from attnmt.training.loop import train
 
