@@ -415,7 +415,7 @@ def serve(
     max_queue: Annotated[int, typer.Option(
         "--max-queue", min=1, help="Requests waiting (more: 503).")] = 256,
     batch_wait_ms: Annotated[float, typer.Option(
-        "--batch-wait-ms", min=0.0, help="How long a request waits for others.")] = 5.0,
+        "--batch-wait-ms", min=0.0, help="How long an idle server waits for more requests.")] = 5.0,
     max_search: Annotated[int, typer.Option(
         "--max-search", min=1, help="Lines x beam (or draws) per request (more: 413).")] = 512,
     max_attention: Annotated[int, typer.Option(

@@ -13,9 +13,15 @@ import torch
 from attnmt.data.batches import pad_sequences, sorted_batches
 from attnmt.data.processes import map_batches
 from attnmt.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
-from attnmt.decoding.batch import decode
+from attnmt.decoding.batch import decode, new_pool
 from attnmt.decoding.constraints import Wanted
-from attnmt.decoding.search import Hypothesis, Sampling, SearchOptions, output_limit
+from attnmt.decoding.search import (
+    Hypothesis,
+    Sampling,
+    SearchOptions,
+    forced_tokens,
+    output_limit,
+)
 from attnmt.decoding.shortlist import Shortlist, restricted
 from attnmt.decoding.terminology import Term
 from attnmt.device import PRECISION_DTYPES
@@ -91,18 +97,7 @@ def search_lines(
     results = map_batches(job, batches, workers, device)
     for batch, found in zip(batches, results, strict=True):
         for j, hyps in zip(batch, found, strict=True):
-            src_pieces = tokenizer.src.pieces(src[j])
-            outputs[todo[j]] = [
-                Translation(
-                    tokenizer.tgt.decode(h.tokens),
-                    h.score,
-                    src_pieces,
-                    tokenizer.tgt.pieces(h.tokens) + (["</s>"] if h.ended else []),
-                    None if h.attention is None else h.attention[:, : len(src_pieces)].cpu(),
-                    h.unmet,
-                )
-                for h in hyps
-            ]
+            outputs[todo[j]] = translations(tokenizer, src[j], hyps)
             if hyps[0].unmet:
                 print(
                     f"attnmt: warning: input line {first_line + todo[j] + 1}: "
@@ -112,6 +107,121 @@ def search_lines(
                 )  # fmt: skip
     model.train(was_training)
     return outputs
+
+
+def translations(tokenizer: Tokenizer, src: list[int], hyps: list[Hypothesis]) -> list[Translation]:
+    """A source's hypotheses (src: its ids, EOS included) as text, pieces and attention."""
+    src_pieces = tokenizer.src.pieces(src)
+    return [
+        Translation(
+            tokenizer.tgt.decode(h.tokens),
+            h.score,
+            src_pieces,
+            tokenizer.tgt.pieces(h.tokens) + (["</s>"] if h.ended else []),
+            None if h.attention is None else h.attention[:, : len(src_pieces)].cpu(),
+            h.unmet,
+        )
+        for h in hyps
+    ]
+
+
+class LinePool:
+    """Lines searched together as they come (serve's step-level batching): lines join the
+    running search (add) and leave it as each is done (step returns them). One pool searches
+    one kind of line: one SearchOptions (greedy or beam), one source prefix, constrained
+    or not; what differs per line (the prefix its output starts with, its phrases) is the
+    line's own. With a shortlist, the pool outputs its lines' shortlists' union, chosen again
+    when lines join or leave (the batch path does the same per batch)."""
+
+    def __init__(
+        self,
+        model: Seq2Seq,
+        tokenizer: Tokenizer,
+        options: SearchOptions,
+        *,
+        device: torch.device,
+        matmul: str,
+        prefix: Sequence[int] = (),
+        constrained: bool = False,
+        shortlist: Shortlist | None = None,
+        before_step: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.model, self.tokenizer, self.options = model, tokenizer, options
+        self.device, self.matmul, self.prefix = device, matmul, tuple(prefix)
+        self.shortlist, self.before_step = shortlist, before_step
+        self.pool = new_pool(model, options, constrained)
+        self.inner = torch.tensor(tokenizer.tgt.word_inner) if constrained else None
+        self.src: dict[int, list[int]] = {}  # a searching line's pool id: its source ids
+        self.allowed: dict[int, torch.Tensor] = {}  # ... its shortlist (and prefix, phrases)
+        self.rows: torch.Tensor | None = None  # the shortlists' union in use
+        self.ready: dict[int, list[Translation]] = {}  # empty lines: answered at the next step
+        self.next_empty = -1  # their keys: negative, apart from the pool's ids
+
+    def __len__(self) -> int:
+        """Lines still searching (or answered at the next step)."""
+        return len(self.pool) + len(self.ready)
+
+    def add(
+        self,
+        lines: Sequence[str],
+        target_prefix: Sequence[Sequence[int]] | None = None,
+        phrases: Sequence[Sequence[Sequence[int]]] | None = None,
+    ) -> list[int]:
+        """Encode lines (per line: the ids its output starts with, the phrases it holds) and
+        add them; returns each line's key (step's)."""
+        keys = [0] * len(lines)
+        todo = []
+        for i, line in enumerate(lines):
+            if line.strip():
+                todo.append(i)
+                continue
+            keys[i], self.next_empty = self.next_empty, self.next_empty - 1
+            empty = Translation("", 0.0, [], [], None)
+            self.ready[keys[i]] = [empty for _ in range(self.options.n_best)]
+        if not todo:
+            return keys
+        encoded = self.tokenizer.src.encode([lines[i].strip() for i in todo])
+        src = [[*self.prefix, *s, EOS_ID] for s in encoded]
+        _cut_long_sources(src, [i + 1 for i in todo], self.options)
+        tokens = pad_sequences(src, PAD_ID).to(self.device)  # (B, S)
+        wanted = None if target_prefix is None else [list(target_prefix[i]) for i in todo]
+        forced = forced_tokens(wanted, len(todo), self.device)
+        extra = ()
+        if self.inner is not None:
+            extra = (Wanted([phrases[i] if phrases else [] for i in todo], self.inner),)
+        with torch.inference_mode(), matmul_backend(self.matmul):
+            ids = self.pool.add(tokens, tokens == PAD_ID, forced, *extra)
+        for j, (i, key) in enumerate(zip(todo, ids, strict=True)):
+            keys[i] = key
+            self.src[key] = src[j]
+            if self.shortlist is not None:
+                needed = [t for t in (wanted[j] if wanted else ())]
+                needed += [t for p in (phrases[i] if phrases else ()) for t in p]
+                self.allowed[key] = self.shortlist.allowed(tokens[j : j + 1], needed)
+        self.rows = None
+        return keys
+
+    def step(self) -> dict[int, list[Translation]]:
+        """One step of every searching line; returns the lines that are done, by key."""
+        done, self.ready = self.ready, {}
+        if not len(self.pool):
+            return done
+        self.before_step()
+        if self.shortlist is not None and self.rows is None:
+            self.rows = torch.unique(torch.cat(list(self.allowed.values())))
+        rows = self.rows
+        with torch.inference_mode(), matmul_backend(self.matmul), restricted(self.model, rows):
+            found = self.pool.step()
+        for key, hyps in found.items():
+            done[key] = translations(self.tokenizer, self.src.pop(key), _as_list(hyps))
+            if self.allowed.pop(key, None) is not None:
+                self.rows = None  # its shortlist leaves with it
+        return done
+
+
+def _as_list(hyps: Hypothesis | list[Hypothesis]) -> list[Hypothesis]:
+    """A greedy pool's hypothesis, or a beam pool's n-best list, as a list."""
+    return hyps if isinstance(hyps, list) else [hyps]
 
 
 def _cut_long_sources(src: list[list[int]], numbers: list[int], options: SearchOptions) -> None:

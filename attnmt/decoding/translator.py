@@ -29,10 +29,11 @@ from attnmt.decoding.ensemble import Ensemble
 from attnmt.decoding.forced import ForcedScore, attention_maps, score_pairs
 from attnmt.decoding.markup import parse
 from attnmt.decoding.request import Prepared
-from attnmt.decoding.search import Beam, SearchOptions, search_options
+from attnmt.decoding.search import Beam, Sampling, SearchOptions, search_options
 from attnmt.decoding.shortlist import Shortlist, attach, load_shortlist
 from attnmt.decoding.terminology import Term, Terminology
 from attnmt.decoding.translate import (
+    LinePool,
     Scores,
     Translation,
     for_decoding,
@@ -373,6 +374,21 @@ class Translator:
             workers=workers or self.workers, first_line=first_line, matmul=self.matmul,
             prefix=prepared.source_prefix, target_prefix=prepared.target_prefix,
             constraints=prepared.phrases, shortlist=self.shortlist,
+        )  # fmt: skip
+
+    def pool(
+        self, options: SearchOptions, source_prefix: Sequence[int] = (), constrained: bool = False
+    ) -> LinePool:
+        """An empty LinePool of this model: lines searched with `options` (greedy or beam),
+        after `source_prefix` (a language tag), constrained by phrases or not; lines join it
+        at any step (what `attnmt serve` runs)."""
+        if isinstance(options.method, Sampling):
+            raise AttnmtError("sampling draws per batch: it has no pool (Translator.decode)")
+        fit = self.threads.apply if self.device.type == "cpu" else lambda: None
+        return LinePool(
+            self.model, self.tokenizer, options, device=self.device, matmul=self.matmul,
+            prefix=source_prefix, constrained=constrained, shortlist=self.shortlist,
+            before_step=fit,
         )  # fmt: skip
 
     def _constraints(

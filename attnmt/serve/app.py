@@ -1,12 +1,11 @@
-"""`attnmt serve`: translation over HTTP (FastAPI + uvicorn), concurrent requests batched.
+"""`attnmt serve`: translation over HTTP (FastAPI + uvicorn), concurrent requests batched at
+every decoding step.
 
-Requests wait in one queue; a single search thread takes the first waiting request, then
-whatever else arrives within `batch_wait_ms` (up to `batch_lines` lines, only requests with the
-same search options), searches all their lines as one call of the Translator (which batches
-them by length) and answers each request with its own lines; a long request is searched over
-several batches, interleaved with the others (Batcher). Limits give JSON errors, never a crash:
-too many lines or characters, or a body too large (refused before it is read whole) 413, a
-malformed request (NaN, Infinity, lone surrogates, unknown fields) 422, a full queue 503; every
+Requests wait in one queue; a single search thread hands their lines to the running search,
+where they join the lines already being decoded at the next step and leave, answered, as each
+is done (step-level batching: Scheduler). Limits give JSON errors, never a crash: too many
+lines or characters, or a body too large (refused before it is read whole) 413, a malformed
+request (NaN, Infinity, lone surrogates, unknown fields) 422, a full queue 503; every
 error is {"error": message}. GET / is the translation page (web/index.html).
 
 A request's work is bounded before it starts: lines × beam (or draws) at most max_search, and
@@ -33,7 +32,6 @@ from attnmt.decoding.alignment import align
 from attnmt.decoding.terminology import Terminology
 from attnmt.decoding.translator import Translator
 from attnmt.errors import AttnmtError, TooMuchWork
-from attnmt.serve.batcher import Batcher
 from attnmt.serve.http import AccessLog, HostCheck, error_response
 from attnmt.serve.requests import (
     RequestError,
@@ -46,6 +44,7 @@ from attnmt.serve.requests import (
     read_body,
     request_options,
 )
+from attnmt.serve.scheduler import Scheduler
 from attnmt.serve.schema import ErrorResponse, Limits, TranslateRequest, TranslateResponse
 
 
@@ -80,8 +79,8 @@ def create_app(
         title="attnmt", summary=f"Translate with the attnmt model {name}".strip(),
         docs_url="/docs" if docs else None, redoc_url=None,
     )  # fmt: skip
-    batcher = Batcher(translator, limits)
-    _translate_route(app, translator, batcher, limits)
+    scheduler = Scheduler(translator, limits)
+    _translate_route(app, translator, scheduler, limits)
     page = (resources.files("attnmt.serve") / "web" / "index.html").read_text(encoding="utf-8")
 
     @app.get("/", response_class=HTMLResponse)
@@ -98,8 +97,9 @@ def create_app(
             "beam": translator.cfg.decode.beam,
             "multilingual": translator.cfg.data.multilingual,
             "target_langs": translator.target_langs,
-            "queued": batcher.jobs.qsize(),
-            "batches": batcher.batches,
+            "queued": scheduler.jobs.qsize(),
+            "searching": scheduler.searching,
+            "steps": scheduler.steps,
         }
 
     @app.exception_handler(HTTPException)
@@ -119,7 +119,7 @@ def create_app(
 
 
 def _translate_route(
-    app: FastAPI, translator: Translator, batcher: Batcher, limits: Limits
+    app: FastAPI, translator: Translator, scheduler: Scheduler, limits: Limits
 ) -> None:
     """POST /translate, its request schema (read by hand, to refuse large bodies before they
     are parsed) documented in the OpenAPI document with its nested models."""
@@ -156,7 +156,7 @@ def _translate_route(
         if not request.text:
             return answer([], options.n_best, terms)
         try:
-            job = batcher.submit(prepared)
+            job = scheduler.submit(prepared)
         except queue.Full:
             return error_response(503, f"{limits.max_queue} requests waiting; try again shortly")
         if not await finished(http, job.future):

@@ -15,9 +15,9 @@ class Limits:
     max_lines: int = 64  # lines per request
     max_chars: int = 2000  # characters per line
     max_queue: int = 256  # requests waiting
-    batch_wait_ms: float = 5.0  # how long the first request of a batch waits for others
-    batch_lines: int = 256  # lines searched at most in one batch
-    batch_chars: int = 8000  # characters searched at most in one batch (at least one line)
+    batch_wait_ms: float = 5.0  # how long an idle server's first request waits for others
+    batch_lines: int = 256  # lines in the running search at most (the others wait their turn)
+    batch_chars: int = 8000  # their characters at most (at least one line)
     max_search: int = 512  # lines × beam (or draws) per request
     max_attention: int = 2_000_000  # attention weights a request may ask for (at most)
 

@@ -171,31 +171,35 @@ def test_8_a_body_too_large_is_refused_before_it_is_read(server):
 
 def test_8_a_long_request_is_interleaved_and_dropped_when_its_client_leaves(server, monkeypatch):
     url, translator, _ = server
-    calls: list[int] = []
-    real = translator.decode
+    added: list[int] = []  # lines handed to a pool, per call
+    real = translator.pool
 
-    def slow(prepared, *args, **kw):  # 0.25 s a line
-        calls.append(len(prepared))
-        time.sleep(0.25 * len(prepared))
-        return real(prepared, *args, **kw)
+    def slow(*args, **kw):  # 0.05 s a step
+        pool = real(*args, **kw)
+        add, step = pool.add, pool.step
+        pool.add = lambda lines, *a: added.append(len(lines)) or add(lines, *a)
+        pool.step = lambda: time.sleep(0.05) or step()
+        return pool
 
-    monkeypatch.setattr(translator, "decode", slow)
+    monkeypatch.setattr(translator, "pool", slow)
     post = lambda text, timeout=60: httpx.post(  # noqa: E731
         f"{url}/translate", json={"text": text}, timeout=timeout
     )
     with ThreadPoolExecutor(2) as pool:
-        long = pool.submit(post, ["w1 w2"] * 8)  # 4 batches of 2 lines, 0.5 s each
-        time.sleep(0.6)
         start = time.monotonic()
-        assert post(["w3"]).status_code == 200  # in the next batch, beside a long one's line
-        short_done = time.monotonic() - start
+        long = pool.submit(post, ["w1 w2"] * 8)  # 2 lines at a time (batch_lines 2)
+        time.sleep(0.3)
+        asked = time.monotonic()
+        assert post(["w3"]).status_code == 200  # in the next free place, beside the long one
+        short_done = time.monotonic() - asked
         assert long.result().status_code == 200
-    assert short_done < 1.2, "the short request waited for the whole long one (2 s)"
-    calls.clear()
+        long_done = time.monotonic() - start
+    assert short_done < 0.6 * long_done, "the short request waited for the whole long one"
+    added.clear()
     with pytest.raises(httpx.ReadTimeout):
-        post(["w1 w2"] * 8, timeout=0.6)  # the client leaves during the second batch
-    time.sleep(2.5)
-    assert sum(calls) < 8, calls
+        post(["w1 w2"] * 8, timeout=0.3)  # the client leaves while its first lines search
+    time.sleep(long_done)
+    assert sum(added) < 8, added
 
 
 # --- tracebacks instead of one line ---

@@ -1,0 +1,180 @@
+"""The step-level scheduler: requests' lines join the running search at every decoding step and
+leave it, answered, as each is done.
+
+One thread owns the search. It keeps a pool per kind of line (search options, source prefix,
+constrained or not: Translator.pool) and loops: take the requests that have arrived, hand
+their lines to their pools (oldest request first, one line of each in turn, while the pools
+hold fewer than batch_lines lines and batch_chars characters), then advance every pool by one
+step. A line that arrives while others are half-way through joins them at the next step
+instead of waiting for the whole search to end (Orca's iteration-level scheduling, Yu et al.
+OSDI 2022, for an encoder-decoder), and a short line leaves as soon as it is done instead of
+waiting for the longest. Sampled requests draw per batch (their seeds follow the lines'
+places), so each is searched alone between two steps. A pool that fails is emptied and each
+of its requests searched again alone, so that a failure answers only the request it belongs to.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from attnmt.decoding.request import Prepared
+from attnmt.decoding.search import Sampling, SearchOptions
+from attnmt.decoding.translate import LinePool, Translation
+from attnmt.decoding.translator import Translator
+from attnmt.serve.schema import Limits
+
+Kind = tuple[SearchOptions, tuple[int, ...], bool]  # options, source prefix, constrained
+
+
+@dataclass(eq=False)
+class _Job:
+    prepared: Prepared  # the request's lines, checked and ready to search
+    future: Future = field(default_factory=Future)
+    found: dict[int, list[Translation]] = field(default_factory=dict)  # by line
+    added: int = 0  # its first lines handed to a pool
+    cancelled: bool = False  # its client left: no more work for it
+
+    @property
+    def lines(self) -> list[str]:
+        return self.prepared.lines
+
+    def kind(self, i: int) -> Kind:
+        """Line i's pool: its request's options and prefix, and whether it has phrases."""
+        phrases = self.prepared.phrases
+        return (*self.prepared.kind, phrases is not None and bool(phrases[i]))
+
+
+class Scheduler:
+    """The queue of requests and the search thread that steps their lines (module docstring)."""
+
+    def __init__(self, translator: Translator, limits: Limits) -> None:
+        self.translator, self.limits = translator, limits
+        self.jobs: queue.Queue[_Job] = queue.Queue(maxsize=limits.max_queue)
+        self.steps = 0  # pool steps run (for /health: the search at work)
+        self.pools: dict[Kind, LinePool] = {}
+        self.owner: dict[tuple[Kind, int], tuple[_Job, int]] = {}  # a pool's line: whose
+        self.waiting: list[_Job] = []  # requests with lines not yet in a pool
+        self.chars = 0  # characters of the lines in the pools
+        threading.Thread(target=self._run, name="attnmt-search", daemon=True).start()
+
+    def submit(self, prepared: Prepared) -> _Job:
+        """Queue a request's prepared lines (queue.Full when the queue is full)."""
+        job = _Job(prepared)
+        self.jobs.put_nowait(job)
+        return job
+
+    @property
+    def searching(self) -> int:
+        """Lines in the pools."""
+        return sum(len(p) for p in self.pools.values())
+
+    def _run(self) -> None:
+        while True:
+            self._take()
+            self._admit()
+            for kind, pool in list(self.pools.items()):
+                if len(pool):
+                    self._step(kind, pool)
+
+    def _take(self) -> None:
+        """Move the requests that have arrived to `waiting`; when there is nothing to do,
+        wait for one, then batch_wait_ms for others to share the first step."""
+        deadline = time.monotonic()
+        if not self.waiting and not self.searching:
+            self.waiting.append(self.jobs.get())
+            deadline += self.limits.batch_wait_ms / 1000
+        while len(self.waiting) < self.limits.max_queue:
+            try:
+                self.waiting.append(self.jobs.get(timeout=max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                break
+        for job in [j for j in self.waiting if isinstance(j.prepared.options.method, Sampling)]:
+            if not job.cancelled and job.added == 0:
+                self._alone(job)
+        self.waiting = [j for j in self.waiting if not j.cancelled and not j.future.done()]
+
+    def _admit(self) -> None:
+        """Hand waiting lines to their pools: one line of each request in turn, oldest
+        first, while the pools hold fewer than batch_lines lines and batch_chars characters
+        (at least one line when they are empty)."""
+        limits = self.limits
+        lines, taken = self.searching, 0
+        parts: dict[Kind, list[tuple[_Job, int]]] = {}
+        while True:
+            before = taken
+            for job in (j for j in self.waiting if j.added < len(j.lines)):
+                n = len(job.lines[job.added])
+                if (lines or taken) and (
+                    lines + taken >= limits.batch_lines or self.chars + n > limits.batch_chars
+                ):
+                    break
+                parts.setdefault(job.kind(job.added), []).append((job, job.added))
+                job.added, taken, self.chars = job.added + 1, taken + 1, self.chars + n
+            if taken == before:
+                break
+        self.waiting = [j for j in self.waiting if j.added < len(j.lines)]
+        for kind, items in parts.items():
+            pool = self.pools.get(kind)
+            if pool is None:
+                pool = self.pools[kind] = self.translator.pool(kind[0], kind[1], kind[2])
+            part = Prepared.join([job.prepared.part(i, i + 1) for job, i in items])
+            try:
+                keys = pool.add(part.lines, part.target_prefix, part.phrases)
+            except Exception:  # the pool is in doubt: its requests again, each alone
+                self.chars -= sum(len(job.lines[i]) for job, i in items)
+                self._fail(kind, [job for job, _ in items])
+                continue
+            for key, (job, i) in zip(keys, items, strict=True):
+                self.owner[kind, key] = (job, i)
+
+    def _step(self, kind: Kind, pool: LinePool) -> None:
+        """One step of a pool; the lines it finishes are their requests'."""
+        try:
+            done = pool.step()
+        except Exception:
+            self._fail(kind)
+            return
+        self.steps += 1
+        for key, found in done.items():
+            job, i = self.owner.pop((kind, key))
+            self.chars -= len(job.lines[i])
+            if job.future.done():
+                continue  # answered already (searched alone after a failure)
+            job.found[i] = found
+            if len(job.found) == len(job.lines):
+                self._finish(job, [job.found[n] for n in range(len(job.lines))])
+
+    def _fail(self, kind: Kind, also: tuple[_Job, ...] | list[_Job] = ()) -> None:
+        """A pool failed: forget it and search each of its requests alone."""
+        self.pools.pop(kind, None)
+        jobs = list(also)
+        for (k, key), (job, i) in list(self.owner.items()):
+            if k == kind:
+                del self.owner[k, key]
+                self.chars -= len(job.lines[i])
+                jobs.append(job)
+        for job in dict.fromkeys(jobs):
+            if not job.future.done():
+                self._alone(job)
+
+    def _alone(self, job: _Job) -> None:
+        """Search a request by itself, all its lines as one batch (the batch path)."""
+        job.added = len(job.lines)
+        try:
+            found = self.translator.decode(job.prepared)
+        except Exception as e:  # the server answers 500 and keeps serving
+            job.future.set_exception(e)
+            return
+        self._finish(job, found)
+
+    @staticmethod
+    def _finish(job: _Job, found: list[list[Translation]]) -> None:
+        """Answer a request: its lines' results with their terms and tags put back."""
+        try:
+            job.future.set_result(job.prepared.finish(found))
+        except Exception as e:  # its own tags, say: its own failure
+            job.future.set_exception(e)
