@@ -5,8 +5,10 @@ Starts `attnmt serve` on a free loopback port (its own process, --threads 2 by d
 for each number of clients and request size, lets that many client threads send Multi30k
 test_2016_flickr sentences (from --data) in requests of that many sentences until all are
 translated. Prints one JSON line per (clients, size): sentences/s, p50/p99 request latency
-(ms), the server's batches, and cli_sentences_per_s (the same sentences through
-Translator.translate in this process, model loading excluded), and their ratio.
+(ms), the server's decoding steps, and cli_sentences_per_s (the same sentences through
+Translator.translate in this process, model loading excluded) and their ratio, and the idle
+latency (idle_ms: the median of 50 single-sentence requests one after another) with p50 and
+p99 over it.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def load(url: str, sentences: list[str], clients: int, size: int, beam: int) -> 
                 with lock:
                     latencies.append(time.perf_counter() - start)
 
-    before = httpx.get(f"{url}/health").json()["batches"]
+    before = steps(url)
     start = time.perf_counter()
     workers = [threading.Thread(target=client) for _ in range(clients)]
     for w in workers:
@@ -87,8 +89,25 @@ def load(url: str, sentences: list[str], clients: int, size: int, beam: int) -> 
         "sentences_per_s": round(len(sentences) / seconds, 1),
         "p50_ms": round(1000 * statistics.median(latencies), 1),
         "p99_ms": round(1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 1),
-        "server_batches": httpx.get(f"{url}/health").json()["batches"] - before,
+        "server_steps": steps(url) - before,
     }
+
+
+def steps(url: str) -> int:
+    """The server's decoding steps so far (its batches, before step-level batching)."""
+    health = httpx.get(f"{url}/health").json()
+    return health.get("steps", health.get("batches", 0))
+
+
+def idle_ms(url: str, sentences: list[str], beam: int) -> float:
+    """The median latency of single-sentence requests sent one after another."""
+    times = []
+    with httpx.Client(timeout=600) as http:
+        for line in sentences[:50]:
+            start = time.perf_counter()
+            http.post(f"{url}/translate", json={"text": [line], "beam": beam}).raise_for_status()
+            times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
 
 
 def cli_rate(model: Path, sentences: list[str], beam: int, threads: int) -> float:
@@ -114,6 +133,7 @@ def bench_serve(args: argparse.Namespace) -> None:
     try:
         url = f"http://127.0.0.1:{port}"
         load(url, sentences[:64], 4, 1, args.beam)  # warm up
+        idle = idle_ms(url, sentences, args.beam)
         for clients in args.clients:
             for size in args.sizes:
                 row = load(url, sentences, clients, size, args.beam)
@@ -122,6 +142,9 @@ def bench_serve(args: argparse.Namespace) -> None:
                     "batch_wait_ms": args.batch_wait_ms,
                     "cli_sentences_per_s": round(cli, 1),
                     "ratio": round(row["sentences_per_s"] / cli, 2),
+                    "idle_ms": round(idle, 1),
+                    "p50_over_idle": round(row["p50_ms"] / idle, 2),
+                    "p99_over_idle": round(row["p99_ms"] / idle, 2),
                 }
                 print(json.dumps(row), flush=True)
     finally:

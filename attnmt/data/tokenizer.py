@@ -208,7 +208,10 @@ class SubwordVocab:
         user-defined piece (a language tag such as <2en>) wherever its text occurs, so such a
         piece is spelled out in its characters' pieces instead (control pieces, <s> </s>
         <pad>, never match text)."""
-        found = self.sp.encode(list(lines), out_type=int)
+        # Threads only for many lines: starting them costs more than a few lines take (and
+        # they contend with a search's threads when a server encodes lines as they come).
+        threads = -1 if len(lines) >= 256 else 1
+        found = self.sp.encode(list(lines), out_type=int, num_threads=threads)
         if not self.reserved:
             return found
         return [ids if self.reserved.isdisjoint(ids) else self._spelled(ids) for ids in found]

@@ -157,11 +157,28 @@ class LayerCache:
     self_v: torch.Tensor  # (B, h, t, d_h)
 
 
-def last_positions(cache: torch.Tensor, t: int) -> torch.Tensor:
-    """A cache (N, h, t', d) as its last t positions: cut, or padded at the start."""
-    if cache.size(2) >= t:
-        return cache[:, :, cache.size(2) - t :]
-    return pad_to(cache, 2, t, 0.0, left=True)
+def stack_rows(
+    parts: list[tuple[torch.Tensor, torch.Tensor | None]], size: int, left: bool
+) -> torch.Tensor:
+    """The rows of each part (x (N_i, h, L_i, d), at `rows` (M_i,) or all, in order), one
+    part after another, as `size` positions each: a part's last `size` (left) or first ones,
+    zeros where it has fewer -> (sum M_i, h, size, d). One copy of each part, where cat after
+    index_select and padding would make three (joining a running search's caches)."""
+    x0 = parts[0][0]
+    n = sum(x.size(0) if rows is None else rows.numel() for x, rows in parts)
+    out = x0.new_empty(n, x0.size(1), size, x0.size(3))
+    at = 0
+    for x, rows in parts:
+        m, L = x.size(0) if rows is None else rows.numel(), min(size, x.size(2))
+        src = x[:, :, x.size(2) - L :] if left else x[:, :, :L]
+        dst = out[at : at + m, :, size - L :] if left else out[at : at + m, :, :L]
+        if rows is None:
+            dst.copy_(src)
+        else:
+            torch.index_select(src, 0, rows, out=dst)
+        (out[at : at + m, :, : size - L] if left else out[at : at + m, :, L:]).zero_()
+        at += m
+    return out
 
 
 def append_position(
@@ -304,26 +321,17 @@ class TransformerState:
     rows: torch.Tensor | None = None
 
 
-def _ordered(state: TransformerState) -> list[LayerCache | RecurrentCache]:
-    """The state's caches with its pending row order (select_state) applied."""
-    if state.rows is None:
-        return state.caches
-    rows = state.rows
-    return [
-        RecurrentCache(c.c.index_select(0, rows))
-        if isinstance(c, RecurrentCache)
-        else LayerCache(c.self_k.index_select(0, rows), c.self_v.index_select(0, rows))
-        for c in state.caches
-    ]
-
-
-def _per_row(position: int | torch.Tensor, caches: list) -> torch.Tensor:
+def _per_row(state: TransformerState) -> torch.Tensor:
     """A state's position(s) as one per row: (N,)."""
-    if not isinstance(position, int):
-        return position
-    c = caches[0]
-    rows = c.c if isinstance(c, RecurrentCache) else c.self_k  # (N, ...)
-    return torch.full((rows.size(0),), position, device=rows.device)
+    if not isinstance(state.position, int):
+        return state.position
+    if state.rows is not None:
+        n, device = state.rows.numel(), state.rows.device
+    else:
+        c = state.caches[0]
+        rows = c.c if isinstance(c, RecurrentCache) else c.self_k  # (N, ...)
+        n, device = rows.size(0), rows.device
+    return torch.full((n,), state.position, device=device)
 
 
 class TransformerSeq2Seq(Seq2Seq):
@@ -451,8 +459,7 @@ class TransformerSeq2Seq(Seq2Seq):
         mask = [pad_to(m.src_mask, 3, S, -torch.inf) for m in (first, second)]  # (B_i, 1, 1, S)
         cross = [
             tuple(
-                torch.cat([pad_to(a, 2, S, 0.0), pad_to(b, 2, S, 0.0)])
-                for a, b in zip(x, y, strict=True)
+                stack_rows([(a, None), (b, None)], S, left=False) for a, b in zip(x, y, strict=True)
             )
             for x, y in zip(first.cross, second.cross, strict=True)
         ]  # (B1 + B2, h, S, d_h): the padding is masked, so each row attends as before
@@ -461,18 +468,20 @@ class TransformerSeq2Seq(Seq2Seq):
     def join_state(self, first: TransformerState, second: TransformerState) -> TransformerState:
         """Rows of both, each with its own position: the caches are padded at the start (the
         positions a row does not have, masked in its self-attention; _joined_mask), then cut
-        to the longest row's positions."""
-        a, b = _ordered(first), _ordered(second)
-        position = torch.cat([_per_row(first.position, a), _per_row(second.position, b)])  # (N,)
+        to the longest row's positions. Pending row orders (select_state) are applied in the
+        same copy."""
+        position = torch.cat([_per_row(first), _per_row(second)])  # (N1 + N2,)
         t = int(position.max())
         caches: list[LayerCache | RecurrentCache] = []
-        for x, y in zip(a, b, strict=True):
+        for x, y in zip(first.caches, second.caches, strict=True):
             if isinstance(x, RecurrentCache) and isinstance(y, RecurrentCache):
-                caches.append(RecurrentCache(torch.cat([x.c, y.c])))  # (N1 + N2, d)
+                cx = x.c if first.rows is None else x.c.index_select(0, first.rows)
+                cy = y.c if second.rows is None else y.c.index_select(0, second.rows)
+                caches.append(RecurrentCache(torch.cat([cx, cy])))  # (N1 + N2, d)
                 continue
             assert isinstance(x, LayerCache) and isinstance(y, LayerCache)
-            k = torch.cat([last_positions(x.self_k, t), last_positions(y.self_k, t)])
-            v = torch.cat([last_positions(x.self_v, t), last_positions(y.self_v, t)])
+            k = stack_rows([(x.self_k, first.rows), (y.self_k, second.rows)], t, left=True)
+            v = stack_rows([(x.self_v, first.rows), (y.self_v, second.rows)], t, left=True)
             caches.append(LayerCache(k, v))  # (N1 + N2, h, t, d_h) each
         return TransformerState(caches, position)
 

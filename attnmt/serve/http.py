@@ -57,6 +57,10 @@ def listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Accepted connections inherit it: an answer's headers and body, written one after the
+    # other, go out at once instead of the body waiting for the client's delayed ACK (40 ms
+    # on Linux, on every request of a kept-alive connection).
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
     except OSError as e:
