@@ -78,9 +78,12 @@ class SplitConfig(_Section):
 
 
 class TrainCorpus(SplitConfig):
-    """A training corpus; in a list of several, `weight` sets its share of the pairs seen."""
+    """A training corpus; in a list of several, `weight` sets its share of the pairs seen;
+    `synthetic`: its sources are machine translations (back-translation), each marked by the
+    reserved source piece <BT> (tagged back-translation, Caswell et al. 2019)."""
 
     weight: float = Field(1.0, gt=0.0, le=1e6)
+    synthetic: bool = False
 
 
 class DataConfig(_Section):
@@ -107,6 +110,11 @@ class DataConfig(_Section):
                             f"({', '.join(self.target_langs)})"
                         )
         return self
+
+    @property
+    def synthetic(self) -> bool:
+        """Whether a training corpus is marked synthetic (its sources then carry <BT>)."""
+        return any(c.synthetic for c in self.corpora)
 
     @property
     def corpora(self) -> list[TrainCorpus]:
@@ -140,6 +148,17 @@ class DataConfig(_Section):
         return len(self.target_langs) > 1
 
 
+class SubwordSampling(_Section):
+    """tokenizer.sampling: subword regularization (Kudo 2018). Each epoch, every training
+    sentence is segmented anew: one of its `nbest` best segmentations under the unigram
+    model, drawn with probability proportional to P(segmentation)^alpha (alpha near 0: all
+    alike; large: the best one). Validation, the dev loss and decoding never sample."""
+
+    alpha: float = Field(0.1, gt=0.0, le=10.0)
+    nbest: int = Field(16, ge=2, le=256)
+    side: Literal["both", "src", "tgt"] = "both"
+
+
 class TokenizerConfig(_Section):
     vocab_size: int = Field(8000, ge=8, le=1_000_000)
     joint: bool = True
@@ -151,6 +170,7 @@ class TokenizerConfig(_Section):
     model: Path | None = None
     src_model: Path | None = None
     tgt_model: Path | None = None
+    sampling: SubwordSampling | None = None  # subword regularization in training; None: off
 
     @model_validator(mode="after")
     def _given_models(self) -> TokenizerConfig:
@@ -174,6 +194,15 @@ class TokenizerConfig(_Section):
             raise ValueError(
                 f"tokenizer.{sorted(trained)[0]} is for training a SentencePiece model; "
                 f"tokenizer.{need[0]} gives one already"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _sampling_needs_unigram(self) -> TokenizerConfig:
+        if self.sampling is not None and self.given is None and self.model_type != "unigram":
+            raise ValueError(
+                "tokenizer.sampling draws from a unigram model's n-best segmentations; "
+                "tokenizer.model_type bpe has none (use unigram)"
             )
         return self
 
@@ -250,6 +279,25 @@ class TeacherForcingConfig(_Section):
         return self
 
 
+class AdapterConfig(_Section):
+    """train.adapters: fine-tune (train.init_from) LoRA adapters of rank `rank` on the
+    attention projections `targets` names (q, k, v, o; every self- and cross-attention),
+    scaled by alpha / rank; the base model's weights stay as they are (attnmt.models.lora)."""
+
+    rank: int = Field(8, ge=1, le=4096)
+    alpha: float = Field(16.0, gt=0.0, le=1e6)
+    targets: list[Literal["q", "k", "v", "o"]] = Field(
+        default_factory=lambda: ["q", "k", "v", "o"], min_length=1
+    )
+
+    @field_validator("targets")
+    @classmethod
+    def _once_each(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"train.adapters.targets names a projection twice: {value}")
+        return value
+
+
 class TrainConfig(_Section):
     max_steps: int = Field(100_000, ge=1)
     max_epochs: int = Field(100, ge=1)
@@ -286,6 +334,7 @@ class TrainConfig(_Section):
     early_stopping: Literal["bleu", "chrf", "loss"] = "bleu"  # the dev metric that picks best
     time_budget: float | None = Field(None, gt=0.0)  # seconds; YAML may say 30m, 2h, 1h30m, 90s
     init_from: Path | None = None  # fine-tune: start from this model directory's weights
+    adapters: AdapterConfig | None = None  # fine-tune LoRA adapters only (needs init_from)
     tensorboard: bool = True  # scalars and dev examples in DIR/tensorboard/
     log_every: int = Field(100, ge=1)
     keep_best: int = Field(1, ge=1, le=1000)
@@ -304,6 +353,10 @@ class TrainConfig(_Section):
     def _betas_in_range(self) -> TrainConfig:
         if not all(0.0 <= b < 1.0 for b in self.adam_betas):
             raise ValueError(f"train.adam_betas = {list(self.adam_betas)}: each must be in [0, 1)")
+        if self.adapters is not None and self.init_from is None:
+            raise ValueError(
+                "train.adapters adapt a trained model: set train.init_from to its directory"
+            )
         if self.average_last > self.keep_last:
             raise ValueError(
                 f"train.average_last = {self.average_last} needs train.keep_last >= "

@@ -446,6 +446,7 @@ def serve(
 
         from attnmt.serve.app import create_app
         from attnmt.serve.http import run, served_hosts
+        from attnmt.serve.scheduler import Scheduler
         from attnmt.serve.schema import Limits
     except ImportError as e:
         raise AttnmtError(
@@ -459,7 +460,9 @@ def serve(
     )  # fmt: skip
     name = name or " + ".join(m.resolve().name for m in model)
     hosts = served_hosts(host, allowed_host or [])
-    run(create_app(translator, limits, name, access_log, hosts, docs), host, port, name)
+    search = Scheduler(translator, limits, thread=False)  # run's: in the main thread
+    run(create_app(translator, limits, name, access_log, hosts, docs, search), host, port, name,
+        search)  # fmt: skip
 
 
 @app.command("shortlist", short_help="Build a model's lexical shortlist (faster decoding).")
@@ -527,22 +530,34 @@ def distill_command(
     force: Annotated[bool, typer.Option(
         "--force", help="Start over: replace OUTPUT and any interrupted run.")] = False,
     target_lang: TargetLangOption = None,
+    sampling: Annotated[bool, typer.Option(
+        "--sampling", help="Draw each translation instead of searching (back-translation: "
+        "the corpus entry printed is a synthetic one).")] = False,
+    temperature: Annotated[float, typer.Option(
+        "--temperature", min=0.01, max=100.0, help="Sampling temperature.")] = 1.0,
+    top_k: Annotated[int, typer.Option(
+        "--top-k", min=0, help="Sample from the K likeliest tokens (0: all).")] = 0,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="Sampling seed.")] = 0,
     *,
     load: ModelLoad,
 ) -> None:  # fmt: skip
-    """Translate a corpus's source side with a teacher for sequence-level distillation;
-    re-run the same command after an interruption to continue where it stopped."""
-    from attnmt.training.distill import distill
+    """Translate a corpus's source side with a teacher for sequence-level distillation, or
+    (--sampling, a target-to-source model) monolingual text for back-translation; re-run the
+    same command after an interruption to continue where it stopped."""
+    from attnmt.training.distill import corpus_entry, distill
 
     check_output_path(output, "--output")
     translator = load.translator(teacher)
+    draws = (temperature, top_k, seed) if sampling else None
     done = distill(
-        translator, teacher, load.weights, src, output, beam, target_lang, chunk_lines, force
-    )
+        translator, teacher, load.weights, src, output, beam, target_lang, chunk_lines, force,
+        sampling=draws,
+    )  # fmt: skip
     rate = done.translated / max(done.seconds, 1e-9)
     typer.echo(
         f"distill: {done.lines:,} lines in {output} ({done.translated:,} translated now, "
-        f"{done.seconds:.1f} s, {rate:.1f} lines/s)", err=True,
+        f"{done.seconds:.1f} s, {rate:.1f} lines/s); its entry in data.train:\n"
+        f"{corpus_entry(src, output, synthetic=sampling)}", err=True,
     )  # fmt: skip
 
 

@@ -33,6 +33,12 @@ def language_tag(lang: str) -> str:
     return f"<2{lang}>"
 
 
+# The source piece that marks a synthetic (back-translated) source in training (Caswell et
+# al. 2019, https://arxiv.org/abs/1906.06442): reserved like the language tags, so no text
+# ever becomes it, and never put before a source that is translated.
+BT_TAG = "<BT>"
+
+
 def train_sentencepiece(
     sentences: Iterable[str],
     vocab_size: int,
@@ -214,9 +220,10 @@ class SubwordVocab:
         found = self.sp.encode(list(lines), out_type=int, num_threads=threads)
         if not self.reserved:
             return found
-        return [ids if self.reserved.isdisjoint(ids) else self._spelled(ids) for ids in found]
+        return [ids if self.reserved.isdisjoint(ids) else self.spelled(ids) for ids in found]
 
-    def _spelled(self, ids: list[int]) -> list[int]:
+    def spelled(self, ids: list[int]) -> list[int]:
+        """ids with each reserved piece spelled in its characters' pieces."""
         out: list[int] = []
         for i in ids:
             if i in self.reserved:  # a character with no piece of its own becomes unk
@@ -298,6 +305,11 @@ class Tokenizer:
             vocab = trained((0, 1), tags)
             return cls(vocab, vocab)
         return cls(trained((0,), tags), trained((1,), ()))
+
+    def bt_id(self) -> int | None:
+        """The source id of the back-translation tag (BT_TAG), None if it has none."""
+        i = self.src.sp.piece_to_id(BT_TAG)
+        return i if i in self.src.reserved else None
 
     def tag_id(self, lang: str) -> int | None:
         """The source id of language `lang`'s tag (language_tag), None if it has none."""

@@ -7,9 +7,12 @@ closing tags; a self-closing tag sits before a word). Placed in the output, an e
 the output words aligned to any of its words (their longest run of consecutive words), cut to
 its parent's span and kept clear of the siblings placed before it; siblings are placed in the
 order of their output words, so a reordering model reorders them. A source word no output word
-chose takes the output word that attends to it most. An element none of whose words is
-aligned, and a self-closing tag, goes before the output word aligned to its first word. The
-output's tags are therefore always balanced and properly nested, whatever the model does. A
+chose takes the output word that attends to it most. A self-closing tag (or an element empty
+in the source) goes before the output word aligned to the word after it. The
+output's tags are therefore always balanced and properly nested, whatever the model does, and
+an element that held words in the source holds at least one in the output: one whose words
+all went to the sibling before it wraps that sibling, one with no aligned word takes the word
+at its place. A
 closing tag with no opening tag is dropped; an opening tag never closed spans to the line's
 end. Entities are decoded for translation and the output text is escaped (&, <, >) again.
 A comment (`<!-- … -->`, or one never closed: to the line's end) and a CDATA section are kept
@@ -173,23 +176,40 @@ def _place(
     node: Element, lo: int, hi: int, words: list[str], to_target: dict[int, list[int]]
 ) -> list[tuple[str, str]]:
     """Tokens (kind, text) of output words lo..hi with node's children's tags placed among
-    them; kinds: word, open, close, whole (an element placed with nothing inside)."""
+    them; kinds: word, open, close, whole (an element placed with nothing inside: only one
+    that had nothing inside in the source, or a self-closing tag)."""
     placed = []  # (start, end, child): start == end places it whole, nothing inside
     for c in node.children:
-        span = _span(c, to_target) if c.close and c.end > c.start else None
-        if span is None:
+        had_words = bool(c.close) and c.end > c.start
+        span = _span(c, to_target) if had_words else None
+        if span is None:  # no aligned word: at its first word's place (a word, if it had)
             at = _anchor(c, to_target)
-            span = (hi, hi) if at is None else (at, at)
+            at = hi if at is None else at
+            span = (at, at + 1) if had_words else (at, at)
         first, last = (min(max(x, lo), hi) for x in span)
+        if had_words and lo < hi:  # at least a word of its parent's
+            first = min(first, hi - 1)
+            last = max(last, first + 1)
         placed.append((first, last, c))
     placed.sort(key=lambda p: (p[0], p[1] > p[0]))  # in output order; empty ones first
     tokens: list[tuple[str, str]] = []
     j = lo
+    previous: tuple[int, int] | None = None  # the last sibling placed: its open, close index
     for first, last, c in placed:
         first = max(first, j)  # clear of the siblings placed before it
         last = max(last, first)
         tokens += [("word", w) for w in words[j:first]]
         j = first
+        if last == first and c.close and c.end > c.start:
+            if previous is not None and previous[1] == _last_close(tokens):
+                # Its words went to the sibling before it: it wraps that sibling (both tags
+                # around the words both were aligned to), never left empty.
+                opened, closed = previous
+                tokens.insert(opened, ("open", c.open))
+                tokens.insert(closed + 2, ("close", c.close))
+                previous = (opened, closed + 2)
+                continue
+            last = min(first + 1, hi)  # else the next word, if there is one
         if last == first:
             tokens.append(("whole", c.whole()))
             continue
@@ -199,9 +219,20 @@ def _place(
             word = inner[-1][1]  # punctuation outside the tag in the source stays outside
             inner[-1] = ("word", word[: len(word) - len(_tail(word))])
             tail = [("tail", _tail(word))]
+        previous = (len(tokens), len(tokens) + len(inner) + 1)
         tokens += [("open", c.open), *inner, ("close", c.close), *tail]
         j = last
     return tokens + [("word", w) for w in words[j:hi]]
+
+
+def _last_close(tokens: list[tuple[str, str]]) -> int:
+    """The index of the last closing tag in tokens (before any tail after it), -1 if none."""
+    for i in range(len(tokens) - 1, -1, -1):
+        if tokens[i][0] == "close":
+            return i
+        if tokens[i][0] != "tail":
+            return -1
+    return -1
 
 
 def _join(tokens: list[tuple[str, str]]) -> str:

@@ -34,6 +34,7 @@ from attnmt.data.files import atomic_write, atomic_write_bytes, file_sha256
 from attnmt.data.tokenizer import MAX_MODEL_BYTES, Tokenizer
 from attnmt.errors import CheckpointError
 from attnmt.models.build import build_model
+from attnmt.models.lora import attach_adapters, has_adapters, is_adapter_weight, merge_adapters
 from attnmt.models.seq2seq import Seq2Seq
 
 FORMAT_VERSION = 1
@@ -58,6 +59,8 @@ def weights_dict(model: Seq2Seq) -> tuple[dict[str, torch.Tensor], dict[str, str
     aliases: dict[str, str] = {}
     owner: dict[tuple[int, tuple[int, ...]], str] = {}
     state = model.state_dict()
+    if has_adapters(model):  # an adapter directory keeps the adapters; its base, the rest
+        state = {name: t for name, t in state.items() if is_adapter_weight(name)}
     for name in sorted(state):
         t = state[name]
         key = (t.data_ptr(), tuple(t.shape))
@@ -157,8 +160,11 @@ def load_weights(
         )
     for name, kept in aliases.items():
         state[name] = state[kept]
+    adapted = has_adapters(model)  # adapters' weights only: the base is loaded already
     try:
-        model.load_state_dict(state, strict=True)
+        result = model.load_state_dict(state, strict=not adapted)
+        if adapted and (result.unexpected_keys or any(map(is_adapter_weight, result.missing_keys))):
+            raise RuntimeError(f"not this model's adapters: {result}")
     except RuntimeError as e:
         first = " ".join(str(e).split())[:300]
         raise CheckpointError(f"{path}: does not fit the model in config.yaml ({first})") from None
@@ -181,6 +187,45 @@ RUN_FILES = (
 MAX_META_BYTES = 1 << 20  # attnmt.json: a larger one is refused before it is read
 
 
+def adapter_base(cfg: Config) -> dict[str, str] | None:
+    """What an adapter run (train.adapters) records of its base: the weights file it adapts
+    (train.init_from's best) and that file's tensors' SHA-256; None without adapters."""
+    if cfg.train.adapters is None or cfg.train.init_from is None:
+        return None
+    path = resolve_weights(cfg.train.init_from, "best").resolve()
+    return {"path": str(path), "sha256": tensors_sha256(read_tensors(path)[0])}
+
+
+def load_base(model_dir: Path, meta: dict[str, Any], model: Seq2Seq, device: torch.device | str,
+              tokenizer: str | None) -> None:  # fmt: skip
+    """Load an adapter directory's base weights into `model` (before its adapters), refused
+    in one line if the base is gone or is no longer the file the adapters were trained on."""
+    base = meta.get("adapter_base") or {}
+    path = Path(str(base.get("path", "")))
+    if not base or not path.is_file():
+        raise CheckpointError(
+            f"{model_dir}: holds adapters of the model {path or '(none recorded)'}, which is "
+            "missing; put it back there (or fine-tune without train.adapters)"
+        )
+    state, _, _ = read_tensors(path)
+    if tensors_sha256(state) != base.get("sha256"):
+        raise CheckpointError(
+            f"{model_dir}: holds adapters of {path}, which has changed since they were trained "
+            "(its weights' SHA-256 differs); adapters only fit the weights they were trained on"
+        )
+    load_weights(model, path, device, tokenizer)
+
+
+def check_same_base(out: Path, cfg: Config) -> None:
+    """--resume of an adapter run: its base is still the weights its adapters started on."""
+    recorded = read_run_files(out)[1].get("adapter_base")
+    if recorded is not None and adapter_base(cfg) != recorded:
+        raise CheckpointError(
+            f"{out}: its adapters were trained on {recorded['path']} (SHA-256 "
+            f"{recorded['sha256'][:12]}…), which train.init_from no longer gives; put it back"
+        )
+
+
 def write_run_files(out: Path, cfg: Config, tokenizer: Tokenizer) -> None:
     """Config, SentencePiece model(s) and metadata: written once, at the start of training.
     The metadata records the model section and the tokenizer files' checksums, which loading
@@ -200,6 +245,7 @@ def write_run_files(out: Path, cfg: Config, tokenizer: Tokenizer) -> None:
         # whether each source starts with a target-language tag (a multilingual model).
         "directions": [[c.src_lang, c.tgt_lang] for c in cfg.data.corpora],
         "multilingual": cfg.data.multilingual,
+        "adapter_base": adapter_base(cfg),  # null: the weights files hold the whole model
     }
     atomic_write_bytes(out / META_FILE, json.dumps(meta, indent=2).encode("utf-8"))
 
@@ -309,6 +355,10 @@ def load_model_dir(
     model = build_model(cfg.model, src_vocab, tgt_vocab, cfg.tokenizer.joint)
     shas = meta.get("sha256") or None
     digest = tokenizer_digest(shas) if shas else None
+    if cfg.train.adapters is not None:  # base + adapters, merged: the base model's speed
+        load_base(model_dir, meta, model, device, digest)
+        attach_adapters(model, cfg.train.adapters)
     load_weights(model, resolve_weights(model_dir, weights), device, digest)
+    merge_adapters(model)
     model.to(device).eval()
     return cfg, tokenizer, model

@@ -70,16 +70,18 @@ def create_app(
     access_log: bool = True,
     hosts: frozenset[str] | None = None,
     docs: bool = False,
+    scheduler: Scheduler | None = None,
 ) -> FastAPI:
     """The FastAPI application: POST /translate, GET / (the page), GET /health, the OpenAPI
     document at /openapi.json (and with docs, Swagger UI at /docs, which loads its scripts from
     a CDN); every error is {"error": message}; with access_log, one line per request on stderr;
-    with hosts, a request whose Host header names another host is refused (400)."""
+    with hosts, a request whose Host header names another host is refused (400); `scheduler`:
+    the one whose run() the caller calls (else one searching in a thread of its own)."""
     app = FastAPI(
         title="attnmt", summary=f"Translate with the attnmt model {name}".strip(),
         docs_url="/docs" if docs else None, redoc_url=None,
     )  # fmt: skip
-    scheduler = Scheduler(translator, limits)
+    scheduler = scheduler or Scheduler(translator, limits)  # none given: searching in a thread
     _translate_route(app, translator, scheduler, limits)
     page = (resources.files("attnmt.serve") / "web" / "index.html").read_text(encoding="utf-8")
 

@@ -4,8 +4,10 @@ with signals that end it at once, and the access log."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 from typing import Any
 
@@ -13,6 +15,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from attnmt.errors import AttnmtError
+from attnmt.serve.scheduler import Scheduler
 
 
 def error_response(status: int, message: str) -> JSONResponse:
@@ -69,26 +72,32 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run(app: FastAPI, host: str, port: int, name: str) -> None:
-    """Serve `app` on host:port until SIGINT (exit code 130, as the other commands) or SIGTERM
-    (143), at once, whatever the search threads are doing."""
+def run(app: FastAPI, host: str, port: int, name: str, search: Scheduler) -> None:
+    """Serve `app` on host:port with `search` running in the main thread (Scheduler.run: the
+    fast one for torch) and the HTTP server in another, until SIGINT (exit code 130, as the
+    other commands) or SIGTERM (143), at once, whatever the search is doing."""
     import uvicorn
 
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            # A search thread may be inside torch for seconds, and a graceful shutdown would
-            # wait for it; the interpreter's exit would run destructors under its thread pool
-            # (seen: "terminate called without an active exception"). The process ends now.
-            print(f"attnmt: {'interrupted' if sig == 2 else 'terminated'}", file=sys.stderr)
-            sys.stderr.flush()
-            sys.stdout.flush()
-            os._exit(128 + sig)
+    def leave(sig: int, frame: Any) -> None:
+        # A search may be inside torch, and a graceful shutdown would wait for it; the
+        # interpreter's exit would run destructors under its thread pool (seen: "terminate
+        # called without an active exception"). The process ends now.
+        print(f"attnmt: {'interrupted' if sig == 2 else 'terminated'}", file=sys.stderr)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(128 + sig)
 
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, leave)
     sock = listen(host, port)
     bound = sock.getsockname()[1]
     where = f"{host}:{bound}" if ":" not in host else f"[{host}]:{bound}"
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="attnmt-http")
+    http.start()
     print(f"attnmt: serving {name} on http://{where}", file=sys.stderr, flush=True)
-    Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+    search.run(alive=http.is_alive)  # returns if the HTTP server stops (it failed)
+    os._exit(1)
 
 
 class AccessLog:

@@ -1,6 +1,9 @@
 """Sequence-level knowledge distillation (Kim & Rush 2016, https://arxiv.org/abs/1606.07947):
 a teacher (one model or an ensemble) translates the source side of a training corpus with beam
-search, and a student trains on the source paired with the teacher's translations.
+search, and a student trains on the source paired with the teacher's translations. With
+sampling, the same translates monolingual target-language text with a target-to-source model
+for back-translation (sampled translations: Edunov et al. 2018, https://arxiv.org/abs/1808.09381),
+whose pairs train as a synthetic corpus (data.train's `synthetic`, tagged <BT>).
 
     attnmt distill --teacher runs/teacher --src train.de.gz --output train.distilled.en
 
@@ -71,13 +74,18 @@ def distill(
     chunk_lines: int = CHUNK_LINES,
     force: bool = False,
     progress: bool = True,
+    sampling: tuple[float, int, int] | None = None,
 ) -> Distilled:
     """Translate every line of `src` (a file, plain or .gz) with the teacher into `output`, one
-    line per source line, continuing an interrupted run of the same job (see the module)."""
+    line per source line, continuing an interrupted run of the same job (see the module).
+    `sampling`: (temperature, top_k, seed) to draw each translation instead of a beam search
+    (back-translation: Edunov et al. 2018); the draws follow the lines' places, so a resumed
+    run draws what an uninterrupted one does."""
     check_input(src)
     if not src.is_file():
         raise DataError(f"--src {src}: a regular file is needed to resume (not a pipe)")
     job = _job(translator, teachers, weights, src, beam, target_lang, chunk_lines)
+    job["sampling"] = list(sampling) if sampling is not None else None
     with _locked(output):
         return _distill(translator, src, output, job, force, progress)
 
@@ -93,7 +101,11 @@ def _distill(
     """distill's work, under the output's lock."""
     chunk_lines, target_lang = job["chunk_lines"], job["target_lang"]
     state, digest = _resume_state(output, job, force)
-    options = translator.options(beam=job["beam"])
+    draws = job["sampling"]
+    if draws is None:
+        options = translator.options(beam=job["beam"])
+    else:
+        options = translator.options(beam=1, sampling=(draws[0], draws[1], draws[2]))
     start, translated = time.time(), 0
     bar = tqdm(
         total=state["total"], initial=state["lines"], unit=" lines", desc="distill",
@@ -106,7 +118,8 @@ def _distill(
         for number, chunk in enumerate(input_chunks(src, chunk_lines)):
             if number < state["lines"] // chunk_lines:
                 continue  # done by an earlier run
-            found = translator.search(chunk, options, target_lang=target_lang)
+            first = number * chunk_lines  # sampling's seeds: the lines' places
+            found = translator.search(chunk, options, target_lang=target_lang, first_line=first)
             # A translation is one line: a newline inside one would shift every later line.
             data = "".join(r[0].text.replace("\n", " ") + "\n" for r in found).encode("utf-8")
             _append(out, data, partial)
@@ -126,6 +139,15 @@ def _distill(
     fsync_dir(output.parent if str(output.parent) else Path("."))
     progress_path(output).unlink(missing_ok=True)
     return Distilled(state["lines"], translated, time.time() - start)
+
+
+def corpus_entry(src: Path, output: Path, synthetic: bool) -> str:
+    """The data.train entry (YAML) that trains on a finished output: for distillation the
+    source with its translations; for back-translation (a target-to-source teacher, sampled)
+    the translations as synthetic sources of the monolingual text."""
+    if synthetic:
+        return f"  - {{src: {output}, tgt: {src}, synthetic: true}}"
+    return f"  - {{src: {src}, tgt: {output}}}"
 
 
 def _job(

@@ -19,9 +19,9 @@ from attnmt.data.store import (
     open_store,
 )
 from attnmt.data.text import ParallelText, read_split_text
-from attnmt.data.tokenizer import Tokenizer, language_tag
+from attnmt.data.tokenizer import BT_TAG, Tokenizer, language_tag
 from attnmt.errors import ConfigError, DataError
-from attnmt.models.directory import CONFIG_FILE, write_run_files
+from attnmt.models.directory import CONFIG_FILE, check_same_base, write_run_files
 from attnmt.training import distributed
 from attnmt.training.resume import check_resumable
 from attnmt.training.runlog import RunLog, log_data
@@ -82,6 +82,7 @@ def prepare_data(
             raise DataError(f"{split.name}: no sentence pairs with text on both sides")
     if resuming:
         check_resumable(from_dict(read_yaml(out / CONFIG_FILE)), cfg)
+        check_same_base(out, cfg)
     if ranks.is_main:
         tokenizer = make_tokenizer(cfg, out, resuming)
         write_run_files(out, cfg, tokenizer)  # on resume: the config's resumable changes
@@ -105,6 +106,7 @@ def make_tokenizer(cfg: Config, out: Path, resuming: bool) -> Tokenizer:
     multilingual run with a tag for each target language (language_tag)."""
     joint, langs = cfg.tokenizer.joint, cfg.data.target_langs
     tags = [language_tag(lang) for lang in langs] if cfg.data.multilingual else []
+    bt = [BT_TAG] if cfg.data.synthetic else []
     if resuming:
         tokenizer, source = Tokenizer.load(out, joint), f"--out {out}"
     elif cfg.train.init_from is not None:
@@ -113,8 +115,14 @@ def make_tokenizer(cfg: Config, out: Path, resuming: bool) -> Tokenizer:
     elif cfg.tokenizer.given is not None:
         tokenizer, source = Tokenizer.from_files(cfg.tokenizer.given), "tokenizer.model"
     else:
-        return Tokenizer.train_on_files(cfg.data.corpora, cfg.tokenizer, cfg.train.seed, tags)
+        return Tokenizer.train_on_files(cfg.data.corpora, cfg.tokenizer, cfg.train.seed, tags + bt)
     missing = [tag for tag, lang in zip(tags, langs, strict=True) if tokenizer.tag_id(lang) is None]
+    if bt and tokenizer.bt_id() is None:
+        raise ConfigError(
+            f"data.train: a corpus is synthetic, but {source} has no {BT_TAG} piece to mark its "
+            f"sources with; a model trained with a synthetic corpus has one (fine-tune from "
+            f"it), or train the tokenizer anew"
+        )
     if missing:
         raise ConfigError(
             f"{source}: its source SentencePiece model has no {', '.join(missing)} piece(s), "
@@ -145,7 +153,11 @@ def ensure_store(
     data = cfg.data
     protos = (tokenizer.src.proto, tokenizer.tgt.proto)
     workers = data.workers or default_workers()
-    prefixes = [source_prefix(data, tokenizer, c.tgt_lang) for c in data.corpora]
+    bt = tokenizer.bt_id()
+    prefixes = [
+        [*source_prefix(data, tokenizer, c.tgt_lang), *([bt] if c.synthetic else [])]
+        for c in data.corpora
+    ]
 
     def encode() -> bytes:
         build_store(out, list(data.corpora), protos, data.max_len, workers, files, prefixes)

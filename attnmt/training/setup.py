@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from attnmt.config import Config
 from attnmt.data.batches import Batch, BucketSampler, Prefetcher, collate, pad_to_bucket
+from attnmt.data.sampling import Resegmenter
 from attnmt.data.store import TokenStore
 from attnmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 from attnmt.device import (
@@ -32,12 +33,15 @@ from attnmt.kernels.matmul import active_backend
 from attnmt.models.build import build_model
 from attnmt.models.directory import (
     LAST_FILE,
+    load_base,
     load_weights,
+    read_run_files,
     resolve_weights,
     save_weights,
     tokenizer_digest,
     tokenizer_shas,
 )
+from attnmt.models.lora import attach_adapters, has_adapters
 from attnmt.models.seq2seq import Seq2Seq
 from attnmt.training import distributed
 from attnmt.training.board import Board
@@ -71,6 +75,7 @@ class Run:
     start_time: float = field(default_factory=time.time)
     tokenizer_digest: str | None = None  # what weights files record (checkpoint.tokenizer_digest)
     prefetch: Prefetcher | None = None  # makes each step's batches on the host (setup sets it)
+    resegment: Resegmenter | None = None  # tokenizer.sampling: segmentations drawn per epoch
 
     def elapsed(self) -> float:
         """Training seconds, over every resumption of the run."""
@@ -115,10 +120,19 @@ def setup(
         line = f"other processes hold CPUs: training on {threads.threads} of {threads.most} threads"
         log.event("threads", line + " (train.threads fixes it)", threads=threads.threads)
     model = build_checked_model(cfg, tokenizer, device)
+    digest = tokenizer_digest(tokenizer_shas(tokenizer))
+    if t.adapters is not None:  # the base first: the adapters start from it, frozen
+        load_base(out, read_run_files(out)[1], model, device, digest)
+        if attach_adapters(model, t.adapters) == 0:
+            raise ConfigError(
+                "train.adapters: LoRA adapts attention projections, which a model.arch "
+                f"{cfg.model.arch} model has none of"
+            )
     model.to(device).train()
     optimizer = torch.optim.Adam(  # fused: one kernel for all parameters, not a few per tensor
-        model.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay, fused=True
-    )
+        [p for p in model.parameters() if p.requires_grad], lr=t.lr, betas=t.adam_betas,
+        weight_decay=t.weight_decay, fused=True,
+    )  # fmt: skip
     src_lengths, tgt_lengths = train_data.lengths()
     src_lengths += 1  # EOS; in place: at 10 M pairs each copy is 40 MB
     tgt_lengths += 1
@@ -142,7 +156,9 @@ def setup(
         precision,
         sampler, tf_generator, Progress(), start_time,
     )  # fmt: skip
-    run.tokenizer_digest = tokenizer_digest(tokenizer_shas(tokenizer))
+    run.tokenizer_digest = digest
+    if cfg.tokenizer.sampling is not None:
+        run.resegment = Resegmenter(tokenizer, cfg.tokenizer.sampling, t.seed, cfg.data.max_len)
     if checkpoint is not None:
         restore(run, *checkpoint)
     if t.tensorboard and ranks.is_main:
@@ -193,7 +209,8 @@ def start_from(run: Run, source_dir: Path) -> None:
     """Fine-tuning: load the source model's best weights; log them with their dev scores (the
     step-0 point of the curves: what fine-tuning starts from)."""
     weights = resolve_weights(source_dir, "best")
-    load_weights(run.model, weights, run.device, run.tokenizer_digest)
+    if not has_adapters(run.model):  # with adapters, setup loaded it under them
+        load_weights(run.model, weights, run.device, run.tokenizer_digest)
     dev = score_dev_sets(run.model, run.tokenizer, run.dev_sets, run.cfg, run.device)
     run.log.event(
         "init_from",
@@ -263,10 +280,19 @@ def build_checked_model(cfg: Config, tokenizer: Tokenizer, device: torch.device)
     return build_model(cfg.model, *sizes)
 
 
+def _pairs(run: Run, idx: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+    """A batch's pairs as its epoch segments them (the store's, or drawn: tokenizer.sampling).
+    The epoch is the loop's: the prefetcher makes a step's batches only within an epoch."""
+    src, tgt = run.train_data.pairs(idx)
+    if run.resegment is None:
+        return src, tgt
+    return run.resegment.pairs(src, tgt, idx, run.progress.epoch)
+
+
 def host_batches(run: Run, idxs: list[list[int]]) -> list[Batch]:
     """The step's batches on the host, ready to copy: collated, grown to a bucketed shape
     under CUDA graphs (which are recorded per shape), pinned for a GPU."""
-    made = [collate(*run.train_data.pairs(idx), idx, PAD_ID, BOS_ID, EOS_ID) for idx in idxs]
+    made = [collate(*_pairs(run, idx), idx, PAD_ID, BOS_ID, EOS_ID) for idx in idxs]
     if run.cfg.train.cuda_graphs:
         made = [pad_to_bucket(b, BOS_ID, EOS_ID) for b in made]
     return [b.pinned() for b in made] if run.device.type == "cuda" else made

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import httpx
 import pytest
@@ -22,6 +23,9 @@ HOSTILE = [
     "<p><span><b></b></span></p>",  # nothing but tags
     "a<b>b</b>c <x/><y/>",
 ]
+
+
+EMPTY = re.compile(r"<([A-Za-z_][\w:.-]*)\b[^>]*></\1>")  # an element with nothing inside
 
 
 def tags_of(text: str) -> list[str]:
@@ -55,6 +59,8 @@ def test_any_alignment_gives_balanced_tags_and_keeps_every_element(line):
         assert balanced(out), (line, out)
         assert sorted(t for t in tags_of(out) if not t.startswith("</")) == opened, (line, out)
         assert TAG.sub(" ", out).split() == out_words, out  # the words, in order, untouched
+        if out_words:  # an element empty in the output was empty in the source
+            assert sorted(EMPTY.findall(out)) == sorted(EMPTY.findall(line)), (line, out)
 
 
 def test_an_identity_alignment_gives_the_line_back():
@@ -74,7 +80,7 @@ def test_a_far_link_does_not_stretch_an_element_and_backup_links_fill_gaps():
     _, root = parse("Ein <b>Hund</b> bellt <i>laut</i> .")
     # Hund is aligned to "dog" and, wrongly, to the far "." too: <b> keeps to "dog".
     out = restore(root, "A dog barks loudly .", [(0, 0), (1, 1), (2, 2), (1, 4)])
-    assert out.startswith("A <b>dog</b> barks") and "<i></i>" in out  # laut: no link
+    assert out.startswith("A <b>dog</b> barks") and "<i></i>" not in out  # laut: no link
     # With the output word that attends to laut most, <i> goes around "loudly".
     out = restore(root, "A dog barks loudly .", [(0, 0), (1, 1), (2, 2)], {3: 3})
     assert out == "A <b>dog</b> barks <i>loudly</i> ."
@@ -97,6 +103,15 @@ def test_markup_from_the_cli_and_over_http(trained, tmp_path, run_cli):
         body = {"text": lines, "markup": True}
         reply = httpx.post(f"{url}/translate", json=body, timeout=60).json()
         assert reply["translations"] == out
+
+
+def test_59_siblings_aligned_to_one_word_nest_instead_of_leaving_one_empty():
+    _, root = parse("Ich mag <b>Kaffee</b> <i>sehr</i>.")
+    # Both source words went to "coffee": <i> wraps <b>, no empty <i></i> after it.
+    out = restore(root, "I like coffee.", [(0, 0), (1, 1), (2, 2), (3, 2)])
+    assert out == "I like <i><b>coffee</b></i>."
+    _, root = parse("<b>a</b> <b>b</b> <b>c</b>")
+    assert restore(root, "x", [(0, 0), (1, 0), (2, 0)]) == "<b><b><b>x</b></b></b>"
 
 
 def test_59_punctuation_outside_a_tag_in_the_source_stays_outside():
