@@ -248,6 +248,11 @@ def main() -> int:
     v.add_argument("--beam", type=int, default=5)
     v.add_argument("--threads", type=int, default=2, help="threads of the server (and CLI)")
     v.add_argument("--batch-wait-ms", type=float, default=5.0, help="attnmt serve --batch-wait-ms")
+    v.add_argument("--eole", type=Path, help="measure `eole serve` with this checkpoint instead")
+    v.add_argument("--eole-python", type=Path, help="the eole venv's python")
+    v.add_argument("--eole-spm", type=Path, help="the SentencePiece model of its data")
+    v.add_argument("--eole-batch-rate", type=float, default=0.0,
+                   help="its batch path's sentences/s (the peers harness's decode)")  # fmt: skip
     for parser in (d, e, t):
         parser.add_argument(
             "--busy", type=int, default=0,

@@ -22,8 +22,10 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -52,13 +54,14 @@ def start_server(model: Path, port: int, wait_ms: float, threads: int) -> subpro
     raise SystemExit("bench serve: the server did not start")
 
 
-def load(url: str, sentences: list[str], clients: int, size: int, beam: int) -> dict:
-    """Send all sentences in requests of `size` from `clients` connections; time it."""
+def load(url: str, path: str, body: Any, sentences: list[str], clients: int, size: int) -> dict:
+    """POST all sentences to `path`, `size` a request (`body(chunk)`: its JSON), from
+    `clients` connections; time it."""
     chunks = [sentences[i : i + size] for i in range(0, len(sentences), size)]
-    bodies = [json.dumps({"text": c, "beam": beam}).encode() for c in chunks]
+    bodies = [json.dumps(body(c)).encode() for c in chunks]
     before = steps(url)
     start = time.perf_counter()
-    latencies = asyncio.run(send_all(url, "/translate", bodies, clients))
+    latencies = asyncio.run(send_all(url, path, bodies, clients))
     seconds = time.perf_counter() - start
     latencies.sort()
     return {
@@ -107,15 +110,30 @@ async def send_all(url: str, path: str, bodies: list[bytes], clients: int) -> li
 
 
 def steps(url: str) -> int:
-    """The server's decoding steps so far (its batches, before step-level batching)."""
+    """The server's decoding steps so far (its batches, before step-level batching; 0: a
+    peer's server, which does not say)."""
     health = httpx.get(f"{url}/health").json()
-    return health.get("steps", health.get("batches", 0))
+    return health.get("steps", health.get("batches", 0)) if isinstance(health, dict) else 0
 
 
-def idle_ms(url: str, sentences: list[str], beam: int) -> float:
+def idle_ms(url: str, path: str, body: Any, sentences: list[str]) -> float:
     """The median latency of single-sentence requests sent one after another."""
-    bodies = [json.dumps({"text": [line], "beam": beam}).encode() for line in sentences[:50]]
-    return 1000 * statistics.median(asyncio.run(send_all(url, "/translate", bodies, 1)))
+    bodies = [json.dumps(body([line])).encode() for line in sentences[:50]]
+    return 1000 * statistics.median(asyncio.run(send_all(url, path, bodies, 1)))
+
+
+def wait_up(url: str, proc: subprocess.Popen) -> None:
+    """Wait for a server's health URL (10 minutes at most)."""
+    for _ in range(6000):
+        if proc.poll() is not None:
+            raise SystemExit(f"bench serve: the server exited ({proc.returncode})")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise SystemExit("bench serve: the server did not start")
 
 
 def cli_rate(model: Path, sentences: list[str], beam: int, threads: int) -> float:
@@ -135,26 +153,68 @@ def cli_rate(model: Path, sentences: list[str], beam: int, threads: int) -> floa
 def bench_serve(args: argparse.Namespace) -> None:
     with gzip.open(args.data / "test_2016_flickr.de.gz", "rt", encoding="utf-8") as f:
         sentences = [line.strip() for line in f]
+    if getattr(args, "eole", None) is not None:
+        return bench_eole(args, sentences)
     cli = cli_rate(args.model, sentences, args.beam, args.threads)
     port = free_port()
     proc = start_server(args.model, port, args.batch_wait_ms, args.threads)
     try:
         url = f"http://127.0.0.1:{port}"
-        load(url, sentences[:64], 4, 1, args.beam)  # warm up
-        idle = idle_ms(url, sentences, args.beam)
-        for clients in args.clients:
-            for size in args.sizes:
-                row = load(url, sentences, clients, size, args.beam)
-                row |= {
-                    "beam": args.beam,
-                    "batch_wait_ms": args.batch_wait_ms,
-                    "cli_sentences_per_s": round(cli, 1),
-                    "ratio": round(row["sentences_per_s"] / cli, 2),
-                    "idle_ms": round(idle, 1),
-                    "p50_over_idle": round(row["p50_ms"] / idle, 2),
-                    "p99_over_idle": round(row["p99_ms"] / idle, 2),
-                }
-                print(json.dumps(row), flush=True)
+        body = lambda chunk: {"text": chunk, "beam": args.beam}  # noqa: E731
+        rows(url, "/translate", body, sentences, args, cli)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def rows(
+    url: str, path: str, body: Any, sentences: list[str], args: argparse.Namespace, batch: float
+) -> None:
+    """Warm up, measure the idle latency, then one JSON line per (clients, size)."""
+    load(url, path, body, sentences[:64], 4, 1)  # warm up
+    idle = idle_ms(url, path, body, sentences)
+    for clients in args.clients:
+        for size in args.sizes:
+            row = load(url, path, body, sentences, clients, size)
+            row |= {
+                "beam": args.beam,
+                "batch_wait_ms": args.batch_wait_ms,
+                "batch_sentences_per_s": round(batch, 1),
+                "ratio": round(row["sentences_per_s"] / batch, 2),
+                "idle_ms": round(idle, 1),
+                "p50_over_idle": round(row["p50_ms"] / idle, 2),
+                "p99_over_idle": round(row["p99_ms"] / idle, 2),
+            }
+            print(json.dumps(row), flush=True)
+
+
+def bench_eole(args: argparse.Namespace, sentences: list[str]) -> None:
+    """`eole serve` (--eole: a checkpoint directory, run with --eole-python) under the same
+    clients. Its model reads SentencePiece pieces (the peers harness's data), so the pieces
+    are sent; its requests are gathered for its batch_timeout (0.1 s) and searched together
+    (batch_size 64 at most). Its batch path: --eole-batch-rate (the harness's decode)."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(args.eole_spm))
+    pieces = [" ".join(sp.encode(s, out_type=str)) for s in sentences]
+    work = Path(tempfile.mkdtemp(prefix="eole-serve-"))
+    config = work / "server.yaml"
+    config.write_text(json.dumps({
+        "models_root": str(work),
+        "models": [{"id": "peer", "path": str(args.eole.resolve()), "preload": True,
+                    "config": {"batch_size": 64, "beam_size": args.beam, "max_length": 60}}],
+    }))  # fmt: skip
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(
+        [str(args.eole_python), "-m", "eole.bin.main", "serve", "-c", str(config), "--host",
+         "127.0.0.1", "--port", str(port)], env=env,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_up(f"{url}/health", proc)
+        body = lambda chunk: {"model": "peer", "inputs": chunk, "beam_size": args.beam}  # noqa: E731
+        rows(url, "/infer", body, pieces, args, args.eole_batch_rate)
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -105,7 +105,7 @@ def _distill(
     if draws is None:
         options = translator.options(beam=job["beam"])
     else:
-        options = translator.options(beam=1, sampling=(draws[0], draws[1], draws[2]))
+        options = translator.options(sampling=(draws[0], draws[1], draws[2]))
     start, translated = time.time(), 0
     bar = tqdm(
         total=state["total"], initial=state["lines"], unit=" lines", desc="distill",

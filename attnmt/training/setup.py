@@ -121,13 +121,8 @@ def setup(
         log.event("threads", line + " (train.threads fixes it)", threads=threads.threads)
     model = build_checked_model(cfg, tokenizer, device)
     digest = tokenizer_digest(tokenizer_shas(tokenizer))
-    if t.adapters is not None:  # the base first: the adapters start from it, frozen
-        load_base(out, read_run_files(out)[1], model, device, digest)
-        if attach_adapters(model, t.adapters) == 0:
-            raise ConfigError(
-                "train.adapters: LoRA adapts attention projections, which a model.arch "
-                f"{cfg.model.arch} model has none of"
-            )
+    if t.adapters is not None:
+        adapt(model, cfg, out, device, digest)
     model.to(device).train()
     optimizer = torch.optim.Adam(  # fused: one kernel for all parameters, not a few per tensor
         [p for p in model.parameters() if p.requires_grad], lr=t.lr, betas=t.adam_betas,
@@ -185,6 +180,18 @@ def setup(
     if resume and checkpoint is None:
         log.event("resume", "--resume: no checkpoint in this directory yet; starting at step 0")
     return run
+
+
+def adapt(model: Seq2Seq, cfg: Config, out: Path, device: torch.device, digest: str) -> None:
+    """train.adapters: the base model's weights first (the adapters start from them,
+    frozen), then the LoRA adapters, the only parameters that train."""
+    assert cfg.train.adapters is not None
+    load_base(out, read_run_files(out)[1], model, device, digest)
+    if attach_adapters(model, cfg.train.adapters) == 0:
+        raise ConfigError(
+            "train.adapters: LoRA adapts attention projections, which a model.arch "
+            f"{cfg.model.arch} model has none of"
+        )
 
 
 def restore(run: Run, weights_path: Path, state_path: Path) -> None:

@@ -52,8 +52,14 @@ def test_sampled_segmentations_follow_seed_epoch_and_line_and_keep_the_text(
 def test_subword_sampling_resumes_to_the_byte(tmp_path: Path, corpus):
     raw = tiny_config(corpus)
     raw["tokenizer"]["sampling"] = {"alpha": 0.2, "nbest": 8}
-    raw["train"].update(max_steps=8, eval_every=4, batch_tokens=100)  # epochs of a few steps
+    raw["train"].update(max_steps=8, eval_every=4, batch_tokens=500)  # epochs of a few steps
     resumed_equals_uninterrupted(raw, tmp_path)
+    log = (tmp_path / "full" / "train_log.jsonl").read_text()
+    assert '"epochs": 2' in log or '"epochs": 3' in log  # resumed across an epoch's end
+    del raw["tokenizer"]["sampling"]
+    train(from_dict(raw), tmp_path / "plain", quiet=True)
+    best = [read_tensors(tmp_path / d / "last.safetensors")[0] for d in ("full", "plain")]
+    assert any(not torch.equal(best[0][n], best[1][n]) for n in best[0])  # it was sampled
 
 
 def test_subword_sampling_needs_a_unigram_model(corpus):
@@ -127,7 +133,7 @@ def test_an_adapter_at_initialisation_changes_nothing_and_merging_keeps_the_func
         for name, p in model.named_parameters():
             assert p.requires_grad == ("lora_" in name)
             if name.endswith("lora_b"):
-                p.normal_()  # as if trained
+                p.normal_(std=0.05)  # as if trained
         adapted = stepwise_logits(model, batch, batch.tgt_in)
         assert not torch.allclose(adapted, before)
         merge_adapters(model)
