@@ -193,5 +193,5 @@ def test_a_missing_or_changed_base_is_one_clear_line(tmp_path: Path, corpus, bas
 def test_adapters_need_init_from(corpus):
     raw = tiny_config(corpus)
     raw["train"]["adapters"] = {"rank": 4}
-    with pytest.raises(ConfigError, match="train.init_from"):
+    with pytest.raises(ConfigError, match=r"train\.init_from"):
         from_dict(raw)
