@@ -94,6 +94,31 @@ def test_the_cli_builds_and_uses_a_shortlist(model_dir, run_cli):
         assert {sp.piece_to_id(p) for p in found.tgt_pieces} <= allowed
 
 
+def test_a_line_pool_outputs_its_lines_shortlists_union_as_lines_come_and_go(model_dir, run_cli):
+    model, _ = model_dir
+    assert run_cli("shortlist", "-m", str(model), "--k", "2", "--frequent", "1").code == 0
+    tr = Translator.load(model, shortlist=True)
+    sources = make_pairs(12, 8)[0]
+    pool, sp = tr.pool(tr.options(beam=2)), tr.tokenizer.tgt.sp
+    keys = dict(zip(pool.add(sources[:6]), sources[:6], strict=True))
+    found = {}
+    for step in range(200):
+        if step == 2:  # more lines join: the union grows; as lines leave it shrinks
+            keys |= dict(zip(pool.add(sources[6:]), sources[6:], strict=True))
+        found |= pool.step()
+        if not len(pool):
+            break
+    union = set()
+    for line in sources:
+        union |= set(
+            tr.shortlist.allowed(torch.tensor([tr.tokenizer.src.encode([line])[0]])).tolist()
+        )
+    assert set(found) == set(keys)
+    for results in found.values():
+        assert {sp.piece_to_id(p) for p in results[0].tgt_pieces} <= union
+    assert pool.rows is None or set(pool.rows.tolist()) <= union
+
+
 def test_a_shortlist_of_every_piece_changes_nothing_and_threads_keep_their_own(model_dir, run_cli):
     model, corpus = model_dir
     r = run_cli("shortlist", "-m", str(model), "--src", str(corpus["train_src"]), "--tgt",
