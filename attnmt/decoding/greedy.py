@@ -117,7 +117,8 @@ class GreedyPool:
             self.attn = a if self.attn is None else torch.cat([self.attn, a], dim=1)
         self.steps += 1
         ends = self.live & ((nxt == model.eos_id) | (self.limits <= self.steps))  # (N,)
-        done = {self.ids[r]: self._hypothesis(r) for r in ends.nonzero().squeeze(1).tolist()}
+        rows = ends.nonzero().squeeze(1)  # (n,)
+        done = self._hypotheses(rows) if rows.numel() else {}
         self.live &= ~ends
         self.prev = nxt
         n_live = int(self.live.sum())
@@ -128,14 +129,19 @@ class GreedyPool:
             self._compact()
         return done
 
-    def _hypothesis(self, r: int) -> Hypothesis:
-        """Row r's sentence as it stands: its own steps, EOS (if it ended so) cut off."""
-        n = int(self.steps[r])
-        own = self.tokens[r, self.tokens.size(1) - n :].tolist()
-        ended = own[-1] == self.model.eos_id
-        score = float(self.total[r]) if self.options.scores else float("nan")
-        a = None if self.attn is None else self.attn[r, self.attn.size(1) - n :]  # (n, S)
-        return Hypothesis(own[:-1] if ended else own, score, ended, a)
+    def _hypotheses(self, rows: torch.Tensor) -> dict[int, Hypothesis]:
+        """The sentences of `rows` (n,) as they stand, by id: each its own steps, EOS (if it
+        ended so) cut off; one read of the tensors for all of them."""
+        T = self.tokens.size(1)
+        tokens, steps = self.tokens[rows].tolist(), self.steps[rows].tolist()
+        scores = self.total[rows].tolist() if self.options.scores else [float("nan")] * len(steps)
+        out = {}
+        for i, (r, n) in enumerate(zip(rows.tolist(), steps, strict=True)):
+            own = tokens[i][T - n :]
+            ended = own[-1] == self.model.eos_id
+            a = None if self.attn is None else self.attn[r, self.attn.size(1) - n :]  # (n, S)
+            out[self.ids[r]] = Hypothesis(own[:-1] if ended else own, scores[i], ended, a)
+        return out
 
     def _compact(self) -> None:
         """Drop the rows of finished sentences."""

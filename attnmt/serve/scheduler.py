@@ -98,6 +98,8 @@ class Scheduler:
             for kind, pool in list(self.pools.items()):
                 if len(pool):
                     self._step(kind, pool)
+                else:  # kinds come and go with requests' options: keep only those in use
+                    del self.pools[kind]
 
     def _take(self) -> bool:
         """Move the requests that have arrived to `waiting`; when there is nothing to do,
