@@ -53,7 +53,7 @@ def tagged(line: str, n: int) -> tuple[str, list[int]]:
 
 
 def balanced(text: str) -> list[str] | None:
-    """The opening tags' names in order, or None if the tags are not properly nested."""
+    """The opening tags' names (sorted), or None if the tags are not properly nested."""
     stack, names = [], []
     for m in TAG.finditer(text):
         if m.group(4):
@@ -64,7 +64,7 @@ def balanced(text: str) -> list[str] | None:
         else:
             stack.append(m.group(2))
             names.append(m.group(2))
-    return names if not stack else None
+    return sorted(names) if not stack else None  # siblings may come in another order
 
 
 def main() -> None:

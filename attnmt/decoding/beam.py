@@ -12,12 +12,12 @@ from __future__ import annotations
 import torch
 
 from attnmt.decoding.constraints import Constraints, Wanted
-from attnmt.decoding.greedy import _join_forced
 from attnmt.decoding.search import (
     Beam,
     Hypothesis,
     SearchOptions,
     forced_at,
+    join_forced,
     length_penalty,
     max_output_lengths,
     never_output,
@@ -89,7 +89,7 @@ class BeamPool:
             return ids
         self.memory = model.join_memory(self.memory, memory)
         self.state = model.join_state(self.state, state)
-        self.forced = _join_forced(self.forced, forced, len(self.ids), B, device)
+        self.forced = join_forced(self.forced, forced, len(self.ids), B, device)
         self.scores, self.limits = (
             torch.cat([self.scores, scores]),
             torch.cat([self.limits, limits]),

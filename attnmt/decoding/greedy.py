@@ -18,6 +18,7 @@ from attnmt.decoding.search import (
     Sampling,
     SearchOptions,
     forced_at,
+    join_forced,
     max_output_lengths,
     never_output,
     pick_output,
@@ -90,7 +91,7 @@ class GreedyPool:
         self.tokens = torch.cat([self.tokens, pad_to(new["tokens"], 1, T, 0, left=True)])
         if self.attn is not None:  # (N, T, S)
             self.attn = torch.cat([self.attn, self.attn.new_zeros(B, T, self.attn.size(2))])
-        self.forced = _join_forced(self.forced, forced, len(self.ids), B, device)
+        self.forced = join_forced(self.forced, forced, len(self.ids), B, device)
         self.ids += ids
         return ids
 
@@ -159,22 +160,6 @@ class GreedyPool:
         if cut > 0:
             self.tokens = self.tokens[:, cut:]
             self.attn = None if self.attn is None else self.attn[:, cut:]
-
-
-def _join_forced(
-    old: torch.Tensor | None,
-    new: torch.Tensor | None,
-    n_old: int,
-    n_new: int,
-    device: torch.device,
-) -> torch.Tensor | None:
-    """Two rows' sets of prefixes (N, P) as one, -1 where a row has none; None if no row has."""
-    if old is None and new is None:
-        return None
-    old = torch.full((n_old, 0), -1, device=device) if old is None else old
-    new = torch.full((n_new, 0), -1, device=device) if new is None else new
-    P = max(old.size(1), new.size(1))
-    return torch.cat([pad_to(old, 1, P, -1), pad_to(new, 1, P, -1)])
 
 
 @torch.no_grad()

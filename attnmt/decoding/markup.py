@@ -215,7 +215,9 @@ def _place(
             continue
         inner = _place(c, first, last, words, to_target)
         tail: list[tuple[str, str]] = []
-        if not c.punct_inside and inner and inner[-1][0] == "word" and _tail(inner[-1][1]):
+        if not c.punct_inside and inner and inner[-1][0] == "tail":
+            tail = [inner.pop()]  # a child's punctuation, put out of it: out of this one too
+        elif not c.punct_inside and inner and inner[-1][0] == "word" and _tail(inner[-1][1]):
             word = inner[-1][1]  # punctuation outside the tag in the source stays outside
             inner[-1] = ("word", word[: len(word) - len(_tail(word))])
             tail = [("tail", _tail(word))]

@@ -14,7 +14,7 @@ import torch
 
 from attnmt.config import DecodeConfig
 from attnmt.data.tokenizer import UNK_ID
-from attnmt.models.seq2seq import AttentionSpec, Seq2Seq
+from attnmt.models.seq2seq import AttentionSpec, Seq2Seq, pad_to
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,22 @@ def forced_at(forced: torch.Tensor | None, steps: torch.Tensor) -> torch.Tensor 
         return None
     want = forced.gather(1, steps.clamp(max=P - 1).unsqueeze(1)).squeeze(1)  # (n,)
     return want.masked_fill(~inside, -1)
+
+
+def join_forced(
+    old: torch.Tensor | None,
+    new: torch.Tensor | None,
+    n_old: int,
+    n_new: int,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """Two rows' sets of prefixes (N, P) as one, -1 where a row has none; None if no row has."""
+    if old is None and new is None:
+        return None
+    old = torch.full((n_old, 0), -1, device=device) if old is None else old
+    new = torch.full((n_new, 0), -1, device=device) if new is None else new
+    P = max(old.size(1), new.size(1))
+    return torch.cat([pad_to(old, 1, P, -1), pad_to(new, 1, P, -1)])
 
 
 def keep_forced(values: torch.Tensor, tokens: torch.Tensor) -> None:

@@ -124,5 +124,8 @@ def test_59_punctuation_outside_a_tag_in_the_source_stays_outside():
     assert (
         restore(tree, "Where is the hospital?", pairs) == 'Where is <a href="/k">the hospital?</a>'
     )
+    _, tree = parse('Er hält <a href="/x">seinen <b>Hund</b></a>.')  # nested: out of both
+    out = restore(tree, "He holds his dog.", [(0, 0), (1, 1), (2, 2), (3, 3)])
+    assert out == 'He holds <a href="/x">his <b>dog</b></a>.'
     _, tree = parse("<b>Tom</b> und Jerry")
     assert restore(tree, "Tom & Jerry", [(0, 0), (1, 1), (2, 2)]) == "<b>Tom</b> &amp; Jerry"
