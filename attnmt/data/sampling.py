@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from attnmt.config import SubwordSampling
+from attnmt.config import Config, SubwordSampling
 from attnmt.data.tokenizer import UNK_ID, SubwordVocab, Tokenizer
 from attnmt.errors import ConfigError
 
@@ -41,6 +41,14 @@ class Resegmenter:
             side: np.array([v.sp.get_score(i) for i in range(len(v))], dtype=np.float64)
             for side, v in self.vocabs.items()
         }
+
+    @classmethod
+    def of(cls, cfg: Config, tokenizer: Tokenizer) -> Resegmenter | None:
+        """A run's (tokenizer.sampling), or None when it does not sample."""
+        sampling = cfg.tokenizer.sampling
+        return (
+            None if sampling is None else cls(tokenizer, sampling, cfg.train.seed, cfg.data.max_len)
+        )
 
     def pairs(
         self, src: list[list[int]], tgt: list[list[int]], lines: list[int], epoch: int

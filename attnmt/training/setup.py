@@ -121,8 +121,7 @@ def setup(
         log.event("threads", line + " (train.threads fixes it)", threads=threads.threads)
     model = build_checked_model(cfg, tokenizer, device)
     digest = tokenizer_digest(tokenizer_shas(tokenizer))
-    if t.adapters is not None:
-        adapt(model, cfg, out, device, digest)
+    adapt(model, cfg, out, device, digest)
     model.to(device).train()
     optimizer = torch.optim.Adam(  # fused: one kernel for all parameters, not a few per tensor
         [p for p in model.parameters() if p.requires_grad], lr=t.lr, betas=t.adam_betas,
@@ -152,8 +151,7 @@ def setup(
         sampler, tf_generator, Progress(), start_time,
     )  # fmt: skip
     run.tokenizer_digest = digest
-    if cfg.tokenizer.sampling is not None:
-        run.resegment = Resegmenter(tokenizer, cfg.tokenizer.sampling, t.seed, cfg.data.max_len)
+    run.resegment = Resegmenter.of(cfg, tokenizer)
     if checkpoint is not None:
         restore(run, *checkpoint)
     if t.tensorboard and ranks.is_main:
@@ -184,8 +182,9 @@ def setup(
 
 def adapt(model: Seq2Seq, cfg: Config, out: Path, device: torch.device, digest: str) -> None:
     """train.adapters: the base model's weights first (the adapters start from them,
-    frozen), then the LoRA adapters, the only parameters that train."""
-    assert cfg.train.adapters is not None
+    frozen), then the LoRA adapters, the only parameters that train; without: nothing."""
+    if cfg.train.adapters is None:
+        return
     load_base(out, read_run_files(out)[1], model, device, digest)
     if attach_adapters(model, cfg.train.adapters) == 0:
         raise ConfigError(
