@@ -58,15 +58,15 @@ class ShoutingPool:
         return done
 
 
-def _submit_together(batcher: Scheduler, requests: list[Prepared]) -> list:
+def _submit_together(scheduler: Scheduler, requests: list[Prepared]) -> list:
     # Within one batch_wait_ms, so that they share the first search.
-    return [batcher.submit(p) for p in requests]
+    return [scheduler.submit(p) for p in requests]
 
 
 def test_requests_share_a_search_and_each_gets_its_own_lines():
     search = Shouting()
-    batcher = Scheduler(search, Limits(batch_wait_ms=200))  # type: ignore[arg-type]
-    jobs = _submit_together(batcher, [Prepared(SearchOptions(), ["aaa", "b"]),
+    scheduler = Scheduler(search, Limits(batch_wait_ms=200))  # type: ignore[arg-type]
+    jobs = _submit_together(scheduler, [Prepared(SearchOptions(), ["aaa", "b"]),
                                       Prepared(SearchOptions(), ["cc"])])  # fmt: skip
     assert [[r[0].text for r in j.future.result(timeout=10)] for j in jobs] == [
         ["AAA", "B"],
@@ -78,11 +78,11 @@ def test_requests_share_a_search_and_each_gets_its_own_lines():
 
 def test_a_request_joins_the_running_search_and_a_short_line_leaves_first():
     search = Shouting()
-    batcher = Scheduler(search, Limits(batch_wait_ms=0))  # type: ignore[arg-type]
-    long = batcher.submit(Prepared(SearchOptions(), ["x" * 400]))
+    scheduler = Scheduler(search, Limits(batch_wait_ms=0))  # type: ignore[arg-type]
+    long = scheduler.submit(Prepared(SearchOptions(), ["x" * 400]))
     while not search.steps:
         time.sleep(0.001)
-    short = batcher.submit(Prepared(SearchOptions(), ["yy"]))
+    short = scheduler.submit(Prepared(SearchOptions(), ["yy"]))
     assert short.future.result(timeout=10)[0][0].text == "YY"
     assert not long.future.done()  # answered while the long one is still searching
     assert long.future.result(timeout=10)[0][0].text == "X" * 400
@@ -94,17 +94,17 @@ def test_a_request_joins_the_running_search_and_a_short_line_leaves_first():
 def test_the_running_search_holds_at_most_batch_lines_lines():
     search = Shouting()
     limits = Limits(batch_wait_ms=200, batch_lines=3)
-    batcher = Scheduler(search, limits)  # type: ignore[arg-type]
-    job = batcher.submit(Prepared(SearchOptions(), [str(i) * 3 for i in range(7)]))
+    scheduler = Scheduler(search, limits)  # type: ignore[arg-type]
+    job = scheduler.submit(Prepared(SearchOptions(), [str(i) * 3 for i in range(7)]))
     assert [r[0].text for r in job.future.result(timeout=10)] == [str(i) * 3 for i in range(7)]
     assert max(map(len, search.steps)) == 3
 
 
 def test_a_failing_request_does_not_fail_its_batch_mates():
     search = Shouting()
-    batcher = Scheduler(search, Limits(batch_wait_ms=200))  # type: ignore[arg-type]
+    scheduler = Scheduler(search, Limits(batch_wait_ms=200))  # type: ignore[arg-type]
     good = [Prepared(SearchOptions(), [f"line {i}"]) for i in range(5)]
-    jobs = _submit_together(batcher, [*good[:2], Prepared(SearchOptions(), ["boom"]), *good[2:]])
+    jobs = _submit_together(scheduler, [*good[:2], Prepared(SearchOptions(), ["boom"]), *good[2:]])
     for job in jobs:
         while not job.future.done():
             time.sleep(0.01)
@@ -122,9 +122,10 @@ def test_tags_that_cannot_be_put_back_fail_only_their_own_request(monkeypatch):
 
     monkeypatch.setattr(attnmt.decoding.request, "put_back", put_back)
     text, tree = parse("<b>x</b>")
-    batcher = Scheduler(Shouting(), Limits(batch_wait_ms=200))  # type: ignore[arg-type]
+    scheduler = Scheduler(Shouting(), Limits(batch_wait_ms=200))  # type: ignore[arg-type]
     plain, tagged = _submit_together(
-        batcher, [Prepared(SearchOptions(), ["y"]), Prepared(SearchOptions(), [text], trees=[tree])]
+        scheduler,
+        [Prepared(SearchOptions(), ["y"]), Prepared(SearchOptions(), [text], trees=[tree])],
     )
     assert plain.future.result(timeout=10)[0][0].text == "Y"
     assert isinstance(tagged.future.exception(timeout=10), RecursionError)
