@@ -16,6 +16,7 @@ from attnmt.decoding.search import (
     Beam,
     Hypothesis,
     SearchOptions,
+    append_attention,
     forced_at,
     join_forced,
     length_penalty,
@@ -24,7 +25,7 @@ from attnmt.decoding.search import (
     step_log_probs,
 )
 from attnmt.kernels import topk_rows
-from attnmt.models.seq2seq import Seq2Seq, pad_to
+from attnmt.models.seq2seq import Seq2Seq
 
 
 class BeamPool:
@@ -120,10 +121,7 @@ class BeamPool:
             logits, self.banned, None if want is None else want.repeat_interleave(K)
         )  # (n*K, V)
         if attn is not None:
-            a = attn.float().unsqueeze(1)  # (n*K, 1, S)
-            if self.attn is not None:  # newcomers may have brought longer sources
-                self.attn = pad_to(self.attn, 2, a.size(2), 0.0)
-            self.attn = a if self.attn is None else torch.cat([self.attn, a], dim=1)
+            self.attn = append_attention(self.attn, attn)  # (n*K, t+1, S)
         # 1. EOS among each sentence's first K candidates finishes a hypothesis; 2. the K
         # first that are not EOS continue (first: by score, or by the constraints' banks).
         top_scores, top_beam, top_tok, finish, pick, best_eos = self.chooser.step(
@@ -149,7 +147,8 @@ class BeamPool:
         lacking = self.chooser.unmet() if any(at_limit) else None  # (n*K,) constraints unmet
         keep = self.results.settle(self.ids, lengths, at_limit, best_is_eos, self.tokens,
                                    new_scores, self.attn, lacking)  # fmt: skip
-        done = {i: self.results.pop(i) for r, i in enumerate(self.ids) if r not in set(keep)}
+        kept = set(keep)
+        done = {i: self.results.pop(i) for r, i in enumerate(self.ids) if r not in kept}
         # 4. Done sentences leave; the others go on with their reordered beams.
         self.scores, self.prev, self.steps = new_scores, new_tok.view(-1), self.steps + 1
         if len(keep) == n:

@@ -17,6 +17,7 @@ from attnmt.decoding.search import (
     Hypothesis,
     Sampling,
     SearchOptions,
+    append_attention,
     forced_at,
     join_forced,
     max_output_lengths,
@@ -24,7 +25,7 @@ from attnmt.decoding.search import (
     pick_output,
 )
 from attnmt.kernels import argmax_rows
-from attnmt.models.seq2seq import Seq2Seq, pad_to
+from attnmt.models.seq2seq import Seq2Seq
 
 # Finished sentences leave the batch once this share of its rows has finished (1/8):
 # gathering the memory and caches after every step where one sentence ends costs more than
@@ -88,7 +89,7 @@ class GreedyPool:
         for name in ("prev", "live", "steps", "limits", "total"):
             setattr(self, name, torch.cat([getattr(self, name), new[name]]))
         T = self.tokens.size(1)  # a newcomer's tokens are the last steps[r] columns
-        self.tokens = torch.cat([self.tokens, pad_to(new["tokens"], 1, T, 0, left=True)])
+        self.tokens = torch.cat([self.tokens, self.tokens.new_zeros(B, T)])
         if self.attn is not None:  # (N, T, S)
             self.attn = torch.cat([self.attn, self.attn.new_zeros(B, T, self.attn.size(2))])
         self.forced = join_forced(self.forced, forced, len(self.ids), B, device)
@@ -112,10 +113,7 @@ class GreedyPool:
             [self.tokens, nxt.masked_fill(~self.live, model.pad_id)[:, None]], dim=1
         )
         if attn is not None:
-            a = attn.float().masked_fill(~self.live.unsqueeze(1), 0.0).unsqueeze(1)  # (N, 1, S)
-            if self.attn is not None:  # newcomers may have brought longer sources
-                self.attn = pad_to(self.attn, 2, a.size(2), 0.0)
-            self.attn = a if self.attn is None else torch.cat([self.attn, a], dim=1)
+            self.attn = append_attention(self.attn, attn.masked_fill(~self.live.unsqueeze(1), 0))
         self.steps += 1
         ends = self.live & ((nxt == model.eos_id) | (self.limits <= self.steps))  # (N,)
         rows = ends.nonzero().squeeze(1)  # (n,)

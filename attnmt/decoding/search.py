@@ -140,6 +140,15 @@ def join_forced(
     return torch.cat([pad_to(old, 1, P, -1), pad_to(new, 1, P, -1)])
 
 
+def append_attention(history: torch.Tensor | None, step: torch.Tensor) -> torch.Tensor:
+    """A pool's attention history (N, t, S) with this step's (N, S) appended; newcomers may
+    have brought longer sources, so the history is padded to the step's S first."""
+    a = step.float().unsqueeze(1)  # (N, 1, S)
+    if history is None:
+        return a
+    return torch.cat([pad_to(history, 2, a.size(2), 0.0), a], dim=1)  # (N, t+1, S)
+
+
 def keep_forced(values: torch.Tensor, tokens: torch.Tensor) -> None:
     """In place: each row whose token is >= 0 keeps that token's value, the others -inf."""
     rows = (tokens >= 0).nonzero().squeeze(1)  # (n,)

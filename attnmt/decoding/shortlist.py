@@ -191,14 +191,20 @@ class ShortlistOutput(nn.Module):
         self._local = threading.local()  # per search thread (--workers): rows, projection
 
     def use(self, rows: torch.Tensor | None) -> None:
-        """The target ids (V',) this thread's next steps may output; None: all."""
+        """The target ids (V',) this thread's next steps may output; None: all. The same
+        `rows` tensor as the last one this thread used reuses its projection (a server's
+        pool sets its rows at every step and changes them only as lines join or leave)."""
+        last = getattr(self._local, "last", None)
         if rows is None:
             self._local.part = None
+        elif last is not None and last[0] is rows:
+            self._local.part = last
         elif isinstance(self.full, Int8Linear):
-            self._local.part = (rows, self.full.rows(rows))
+            self._local.part = self._local.last = (rows, self.full.rows(rows))
         else:
             bias = None if self.full.bias is None else self.full.bias.index_select(0, rows)
-            self._local.part = (rows, (self.full.weight.index_select(0, rows), bias))
+            projection = (self.full.weight.index_select(0, rows), bias)
+            self._local.part = self._local.last = (rows, projection)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., d) -> logits (..., V), −inf outside the rows in use."""
