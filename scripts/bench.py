@@ -7,7 +7,7 @@
                                   [--vocab 8000] [--tokenizer SPM] [--batch-tokens N]
                                   [--set KEY=VALUE ...]
     python scripts/bench.py data [--pairs 1000000] [--steps 20] [--tatoeba TSV] [--work DIR]
-    python scripts/bench.py serve --model DIR [--data DIR] [--clients 1,8,32] [--sizes 1,16]
+    python scripts/bench.py serve --model DIR [--data DIR] [--clients 1,8,32] [--sizes 1,16] [--eole CKPT]
                                   [--beam 5] [--threads 2] [--batch-wait-ms 5]
     python scripts/bench.py decode --model DIR [--model DIR ...] [--data DIR] [--runs N]
                                    [--beams 1,5] [--batch-sentences 64] [--max-len 60]
@@ -32,8 +32,9 @@ row gives the share of lines it changes (differs_from_off).
 
 export: decode's rows, then the same model exported to CTranslate2 (scripts/bench_export.py).
 
-serve: see scripts/bench_serve.py (`attnmt serve` under 1, 8, 32 concurrent loopback clients
-sending 1 or 16 sentences a request: sentences/s, p50/p99 latency, against the batch path).
+serve: see scripts/bench_serve.py (`attnmt serve`, or `eole serve` with --eole CHECKPOINT,
+under 1, 8, 32 (--clients) concurrent loopback clients sending 1 or 16 sentences a request:
+sentences/s, p50/p99 latency, idle latency, against the batch path).
 
 data: see scripts/bench_data.py (a synthetic corpus of --pairs pairs from Tatoeba: time and
 memory from the text to the first steps, and a resume's start-up).
