@@ -7,7 +7,7 @@
                                   [--vocab 8000] [--tokenizer SPM] [--batch-tokens N]
                                   [--set KEY=VALUE ...]
     python scripts/bench.py data [--pairs 1000000] [--steps 20] [--tatoeba TSV] [--work DIR]
-    python scripts/bench.py serve --model DIR [--data DIR] [--clients 1,8,32] [--sizes 1,16] [--eole CKPT]
+    python scripts/bench.py serve --model DIR [--clients 1,8,32] [--sizes 1,16] [--eole CKPT]
                                   [--beam 5] [--threads 2] [--batch-wait-ms 5]
     python scripts/bench.py decode --model DIR [--model DIR ...] [--data DIR] [--runs N]
                                    [--beams 1,5] [--batch-sentences 64] [--max-len 60]
