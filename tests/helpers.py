@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING
 import httpx
 import torch
 
-from attnmt.config import ModelConfig
+from attnmt.config import ModelConfig, from_dict
 from attnmt.data.batches import Batch, collate
 from attnmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from attnmt.models.build import build_model
 from attnmt.models.seq2seq import Seq2Seq
+from attnmt.training.loop import train
 
 from conftest import default_sigint, tiny_config, write_config
 
@@ -46,6 +47,16 @@ def tiny_model(arch: str, seed: int = 0, **overrides) -> Seq2Seq:
     }
     cfg = ModelConfig(arch=arch, **{**settings, **overrides})
     return build_model(cfg, V, V, joint=True)
+
+
+def train_tiny(base: Path, corpus, joint: bool = True, **model) -> Path:
+    """A model trained 2 steps on the tiny corpus into base/m (model: model.* settings)."""
+    raw = tiny_config(corpus, model.pop("arch", "transformer"))
+    raw["train"].update(max_steps=2, eval_every=2)
+    raw["model"].update(model)
+    raw["tokenizer"]["joint"] = joint
+    train(from_dict(raw), base / "m", quiet=True)
+    return base / "m"
 
 
 def random_batch(seed: int = 0, B: int = 4) -> Batch:

@@ -344,35 +344,42 @@ def import_model(
     )  # fmt: skip
 
 
-@app.command(short_help="Export to CTranslate2 or Hugging Face.")
+@app.command(short_help="Export to CTranslate2, Hugging Face, ONNX or a web page.")
 def export(
-    model: Annotated[Path, typer.Argument(help="Trained model directory (a Transformer).")],
+    model: Annotated[Path, typer.Argument(help="Trained model directory.")],
     out: Annotated[Path, typer.Argument(help="Directory to write the exported model to.")],
     format: Annotated[str, typer.Option(
-        "--format", help="ctranslate2, or huggingface (a MarianMTModel directory).")
+        "--format", help="ctranslate2, huggingface (a MarianMTModel directory), onnx, or web "
+        "(a page that translates in the browser).")
     ] = "ctranslate2",
     weights: Annotated[str, typer.Option(
         "--weights", help="best, last, averaged, step-N or a file.")] = "best",
     quantization: Annotated[str | None, typer.Option(
-        "--quantization", help="Store weights as int8, int16, float16, ...")] = None,
+        "--quantization", help="Store weights as int8 (ctranslate2 also int16, float16, ...).")
+    ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace OUT if it exists.")] = False,
     check: Annotated[Path | None, typer.Option(
         "--check", help="Compare the export with attnmt on this file's first 100 lines "
         "(default: the dev set's).")] = None,
+    runtime: Annotated[Path | None, typer.Option(
+        "--runtime", help="web: a folder with onnxruntime-web's ort.wasm.min.js and .wasm files "
+        "(default: the copy installed with attnmt, scripts/get_web_runtime.py).")] = None,
 ) -> None:  # fmt: skip
-    """Export a Transformer to CTranslate2 (pip install 'attnmt[export]'), tokenizer included,
-    and report how many sentences it translates exactly as attnmt does; or, --format
-    huggingface, as a MarianMTModel directory for transformers."""
+    """Export a model, tokenizer included, and report how many sentences the export translates
+    exactly as attnmt does: a Transformer to CTranslate2 (pip install 'attnmt[export]') or as
+    a MarianMTModel for transformers (--format huggingface); any model to ONNX (pip install
+    'attnmt[onnx]'), or as a folder whose index.html translates in the browser (--format web)."""
     from attnmt.data.text import check_input
-    from attnmt.interop.ctranslate2 import export_ctranslate2, report_agreement
 
-    if format not in ("ctranslate2", "huggingface"):
-        raise AttnmtError(f"--format {format!r}: expected ctranslate2 or huggingface")
+    if format not in ("ctranslate2", "huggingface", "onnx", "web"):
+        raise AttnmtError(f"--format {format!r}: expected ctranslate2, huggingface, onnx or web")
     if not model.is_dir():
         raise AttnmtError(f"model directory not found: {model}")
+    if runtime is not None and format != "web":
+        raise AttnmtError("--runtime is for --format web")
     if format == "huggingface":
         if quantization is not None or check is not None:
-            raise AttnmtError("--quantization and --check are for --format ctranslate2")
+            raise AttnmtError("--quantization and --check are not for --format huggingface")
         from attnmt.interop.huggingface import export_huggingface
 
         n = export_huggingface(model, out, weights, force)
@@ -381,9 +388,33 @@ def export(
         return
     if check is not None:
         check_input(check)
+    if format in ("onnx", "web"):
+        _export_onnx(model, out, format, weights, quantization, force, check, runtime)
+        return
+    from attnmt.interop.ctranslate2 import export_ctranslate2, report_agreement
+
     files = export_ctranslate2(model, out, weights, quantization, force)
     typer.echo(f"{out}: {', '.join(files)}")
     report_agreement(out, model, weights, check, quantization)
+
+
+def _export_onnx(
+    model: Path, out: Path, format: str, weights: str, quantization: str | None, force: bool,
+    check: Path | None, runtime: Path | None,
+) -> None:  # fmt: skip
+    """attnmt export --format onnx | web."""
+    from attnmt.interop import onnx
+
+    if format == "web":
+        from attnmt.interop.web import export_web
+
+        files = export_web(model, out, weights, quantization, force, runtime)
+        typer.echo(f"{out}: {', '.join(files)} (serve it: python -m http.server -d {out})")
+        onnx.report_agreement(out / "model", model, weights, check)
+        return
+    files = onnx.export_onnx(model, out, weights, quantization, force)
+    typer.echo(f"{out}: {', '.join(files)}")
+    onnx.report_agreement(out, model, weights, check)
 
 
 @app.command(short_help="Draw training curves into a PNG.")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +23,12 @@ from torch import nn
 
 from attnmt.config import Config
 from attnmt.data.files import WriteError, atomic_directory, check_export_path, free_space, reason
-from attnmt.data.text import read_lines, read_test_set
 from attnmt.data.tokenizer import BOS_ID, PAD_ID, Tokenizer, language_tag
 from attnmt.decoding.search import output_limit, search_options
 from attnmt.decoding.translator import Translator
 from attnmt.errors import AttnmtError
-from attnmt.models.directory import load_model_dir, read_run_files
+from attnmt.interop.agreement import Agreement, check_lines
+from attnmt.models.directory import load_model_dir
 from attnmt.models.transformer import (
     DecoderLayer,
     EncoderLayer,
@@ -142,25 +141,6 @@ def generation(cfg: Config, tokenizer: Tokenizer) -> dict[str, Any]:
     }  # fmt: skip
 
 
-CHECK_LINES = 100  # sentences `attnmt export` compares the export on
-
-
-@dataclass
-class Agreement:
-    same: int  # sentences translated identically
-    total: int
-    source: str  # where they came from
-    direction: str = ""  # a multilingual model's: "into en"
-
-    def __str__(self) -> str:
-        share = self.same / self.total if self.total else 1.0
-        into = f", {self.direction}" if self.direction else ""
-        return (
-            f"agreement with attnmt (greedy, {self.total} sentences of {self.source}{into}): "
-            f"{self.same}/{self.total} identical ({share:.0%})"
-        )
-
-
 def check_agreement(
     out: Path, model_dir: Path, weights: str, lines: list[str], source: str
 ) -> list[Agreement]:
@@ -210,22 +190,6 @@ def report_agreement(
             "is expected (near-ties flip); a broken conversion agrees on almost nothing",
             flush=True,
         )
-
-
-def check_lines(model_dir: Path, given: Path | None) -> tuple[list[str], str]:
-    """The sentences to check an export on: the first CHECK_LINES of `given`, else of the
-    model's (first) dev set's source where it is still readable, else none."""
-    if given is not None:
-        return read_lines(given)[:CHECK_LINES], str(given)
-    cfg, _ = read_run_files(model_dir)
-    if not cfg.data.dev_sets:  # an imported model names no data
-        return [], ""
-    dev = cfg.data.dev_sets[0]
-    try:
-        sources, _ = read_test_set(dev)
-    except AttnmtError:
-        return [], ""
-    return sources[:CHECK_LINES], str(dev.tsv or dev.src)
 
 
 def _import_ctranslate2() -> Any:

@@ -1,0 +1,44 @@
+"""How many sentences an export translates exactly as attnmt does, and on which sentences."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from attnmt.data.text import read_lines, read_test_set
+from attnmt.errors import AttnmtError
+from attnmt.models.directory import read_run_files
+
+CHECK_LINES = 100  # sentences `attnmt export` compares the export on
+
+
+@dataclass
+class Agreement:
+    same: int  # sentences translated identically
+    total: int
+    source: str  # where they came from
+    direction: str = ""  # a multilingual model's: "into en"
+
+    def __str__(self) -> str:
+        share = self.same / self.total if self.total else 1.0
+        into = f", {self.direction}" if self.direction else ""
+        return (
+            f"agreement with attnmt (greedy, {self.total} sentences of {self.source}{into}): "
+            f"{self.same}/{self.total} identical ({share:.0%})"
+        )
+
+
+def check_lines(model_dir: Path, given: Path | None) -> tuple[list[str], str]:
+    """The sentences to check an export on: the first CHECK_LINES of `given`, else of the
+    model's (first) dev set's source where it is still readable, else none."""
+    if given is not None:
+        return read_lines(given)[:CHECK_LINES], str(given)
+    cfg, _ = read_run_files(model_dir)
+    if not cfg.data.dev_sets:  # an imported model names no data
+        return [], ""
+    dev = cfg.data.dev_sets[0]
+    try:
+        sources, _ = read_test_set(dev)
+    except AttnmtError:
+        return [], ""
+    return sources[:CHECK_LINES], str(dev.tsv or dev.src)

@@ -1,0 +1,332 @@
+"""Export any attnmt model to ONNX (https://onnx.ai), and run the export with onnxruntime.
+
+The folder holds `encoder.onnx` and `decoder.onnx` (interop.onnx_graphs: one decoder step,
+its state explicit input and output, batch and lengths dynamic), `attnmt-onnx.json` (what a
+runtime needs to search: input and output names, how each state tensor starts, the special
+ids, the output limit, the length penalty, language tags) and the tokenizer: the
+SentencePiece model(s) and `tokenizer.json` (their pieces and scores, for a runtime without
+SentencePiece: the browser page, interop.web). int8 (`--quantization int8`): onnxruntime's
+dynamic quantization, int8 weights of every MatMul with per-row scales, activations
+quantized at run time (MatMulInteger), the same scheme as attnmt's own int8.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from attnmt.config import Config
+from attnmt.data.files import atomic_directory, check_export_path
+from attnmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, language_tag
+from attnmt.decoding.search import never_output, search_options
+from attnmt.decoding.translator import Translator
+from attnmt.errors import AttnmtError
+from attnmt.interop.agreement import Agreement, check_lines
+from attnmt.interop.onnx_graphs import MAX_POSITIONS, Graphs, model_graphs
+from attnmt.interop.tokenizer_json import tokenizer_json
+from attnmt.models.directory import load_model_dir
+from attnmt.models.seq2seq import Seq2Seq
+
+MANIFEST = "attnmt-onnx.json"
+QUANTIZATIONS = ("int8",)
+OPSET = 18
+
+
+def export_onnx(
+    model_dir: Path,
+    out: Path,
+    weights: str = "best",
+    quantization: str | None = None,
+    force: bool = False,
+) -> list[str]:
+    """Write model_dir's model (its `weights`) as ONNX graphs with their manifest and
+    tokenizer into `out` (whole or not at all); returns the files written."""
+    _import_onnx()
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise AttnmtError(f"--quantization {quantization!r}: expected int8 for --format onnx")
+    check_export_path(model_dir, out, force)
+    cfg, tokenizer, net = load_model_dir(model_dir, weights, "cpu")
+    graphs = model_graphs(net)
+    with atomic_directory(out, "the export") as tmp:
+        write_graphs(graphs, tmp, quantization)
+        for name, data in tokenizer.files().items():
+            (tmp / name).write_bytes(data)
+        pieces = tokenizer_json(tokenizer.src.proto, tokenizer.src.reserved)
+        (tmp / "tokenizer.json").write_text(json.dumps(pieces, ensure_ascii=False))
+        if not cfg.tokenizer.joint:
+            tgt = tokenizer_json(tokenizer.tgt.proto, tokenizer.tgt.reserved)
+            (tmp / "tokenizer.tgt.json").write_text(json.dumps(tgt, ensure_ascii=False))
+        info = manifest(cfg, tokenizer, net, graphs, quantization)
+        (tmp / MANIFEST).write_text(json.dumps(info, indent=2) + "\n")
+    return sorted(p.name for p in out.iterdir())
+
+
+def manifest(
+    cfg: Config, tokenizer: Tokenizer, net: Seq2Seq, graphs: Graphs, quantization: str | None
+) -> dict[str, Any]:
+    """What a runtime needs besides the graphs to search as attnmt does (greedy, or beam with
+    the GNMT length penalty)."""
+    options = search_options(cfg.decode)
+    tags = {}
+    if cfg.data.multilingual:
+        tags = {
+            lang: tokenizer.src.sp.piece_to_id(language_tag(lang)) for lang in cfg.data.target_langs
+        }
+    return {
+        "format_version": 1,
+        "arch": cfg.model.arch,
+        "quantization": quantization or "float32",
+        "encoder": {"inputs": ["src"], "outputs": encoder_outputs(graphs)},
+        "decoder": {"inputs": decoder_inputs(graphs), "outputs": decoder_outputs(graphs)},
+        "memory": graphs.memory,
+        "state": [{"name": s.name, "init": s.init, "shape": list(s.shape)} for s in graphs.state],
+        "max_positions": MAX_POSITIONS if graphs.position else None,
+        "ids": {
+            "pad": PAD_ID,
+            "bos": BOS_ID,
+            "eos": EOS_ID,
+            "never_output": never_output(net, options),
+        },
+        "output_limit": {
+            "a": options.max_len_a,
+            "b": options.max_len_b,
+            "round": options.max_len_round,
+            "max": min(options.max_output_len, MAX_POSITIONS)
+            if graphs.position
+            else options.max_output_len,
+        },
+        "max_src_len": min(options.max_src_len, MAX_POSITIONS)
+        if graphs.position
+        else options.max_src_len,
+        "beam_size": cfg.decode.beam,
+        "length_penalty": cfg.decode.length_penalty,
+        "target_tags": tags,
+        "tokenizer": {
+            "source": "tokenizer.json",
+            "target": "tokenizer.json" if cfg.tokenizer.joint else "tokenizer.tgt.json",
+        },
+    }
+
+
+def encoder_outputs(graphs: Graphs) -> list[str]:
+    return graphs.memory + [s.name for s in graphs.state if s.init == "encoder"]
+
+
+def decoder_inputs(graphs: Graphs) -> list[str]:
+    position = ["position"] if graphs.position else []
+    return ["tokens", *position, *graphs.memory, *(s.name for s in graphs.state)]
+
+
+def decoder_outputs(graphs: Graphs) -> list[str]:
+    return ["log_probs", *(f"new_{s.name}" for s in graphs.state)]
+
+
+def write_graphs(graphs: Graphs, folder: Path, quantization: str | None) -> None:
+    """encoder.onnx and decoder.onnx traced on a small example with batch, source length and
+    decoded positions dynamic (int8: quantized after the export)."""
+    B, S, t = 2, 5, 3  # not 0 or 1: torch.export would fix such sizes as constants
+    src = torch.full((B, S), 4, dtype=torch.long)
+    batch, src_len, cache = (torch.export.Dim(n) for n in ("batch", "src_len", "cache"))
+    with torch.no_grad():
+        encoded = dict(zip(encoder_outputs(graphs), graphs.encoder(src), strict=True))
+    _export(
+        graphs.encoder,
+        (src,),
+        ({0: batch, 1: src_len},),
+        ["src"],
+        encoder_outputs(graphs),
+        folder / "encoder.onnx",
+    )
+    inputs: dict[str, torch.Tensor] = {
+        "tokens": torch.full((B,), 4),
+        "position": torch.full((B,), t),
+    }
+    shapes: dict[str, dict[int, Any]] = {"tokens": {0: batch}, "position": {0: batch}}
+    for name in graphs.memory:
+        inputs[name] = encoded[name]
+        shapes[name] = {0: batch, encoded[name].dim() - 2 if name != "pad_mask" else 1: src_len}
+        if name == "src_mask":
+            shapes[name] = {0: batch, 3: src_len}
+    for s in graphs.state:
+        if s.init == "encoder":
+            inputs[s.name], shapes[s.name] = encoded[s.name], {0: batch}
+        else:
+            inputs[s.name] = torch.zeros(B, *(d or t for d in s.shape))
+            shapes[s.name] = {0: batch, **({1 + s.shape.index(0): cache} if 0 in s.shape else {})}
+    names = decoder_inputs(graphs)
+    args = tuple(inputs[n] for n in names)
+    fixed = 3 if graphs.position else 0  # tokens, position, src_mask; then *tensors
+    dyn: tuple[Any, ...] = tuple(shapes[n] for n in names)
+    if fixed:
+        dyn = (*dyn[:fixed], dyn[fixed:])
+    _export(graphs.decoder, args, dyn, names, decoder_outputs(graphs), folder / "decoder.onnx")
+    if quantization == "int8":
+        for name in ("encoder.onnx", "decoder.onnx"):
+            quantize_int8(folder / name)
+
+
+def _export(
+    module: torch.nn.Module,
+    args: tuple,
+    shapes: tuple,
+    inputs: list[str],
+    outputs: list[str],
+    path: Path,
+) -> None:
+    import onnx
+
+    with torch.no_grad(), _quiet():
+        torch.onnx.export(
+            module, args, str(path), input_names=inputs, output_names=outputs,
+            dynamic_shapes=shapes, dynamo=True, opset_version=OPSET, verbose=False,
+            external_data=False,
+        )  # fmt: skip
+    model = onnx.load(str(path))
+    for value in model.graph.output:
+        # The exporter can fix an output's length that is dynamic (a GRU's): leave it open.
+        value.type.tensor_type.ClearField("shape")
+    onnx.save(model, str(path))
+
+
+def quantize_int8(path: Path) -> None:
+    """path's MatMul weights as int8, per output row (onnxruntime's dynamic quantization)."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    with tempfile.TemporaryDirectory() as tmp, _quiet():
+        done = Path(tmp) / path.name
+        quantize_dynamic(str(path), str(done), weight_type=QuantType.QInt8, per_channel=True)
+        os.replace(done, path)
+
+
+class _quiet:
+    """torch.onnx's progress lines and warnings out of the user's terminal."""
+
+    def __enter__(self) -> None:
+        import logging
+        import warnings
+
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.simplefilter("ignore")
+        self._levels = [(log, log.level) for log in map(logging.getLogger, ("torch", None))]
+        for log, _ in self._levels:  # onnxruntime's quantizer warns on the root logger
+            log.setLevel(logging.ERROR)
+        self._stdout = os.dup(1)
+        self._null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(self._null, 1)
+
+    def __exit__(self, *exc: object) -> None:
+        os.dup2(self._stdout, 1)
+        os.close(self._stdout)
+        os.close(self._null)
+        for log, level in self._levels:
+            log.setLevel(level)
+        self._warnings.__exit__(*exc)
+
+
+def _import_onnx() -> None:
+    try:
+        import onnx  # noqa: F401
+        import onnxruntime  # noqa: F401
+        import onnxscript  # noqa: F401
+    except ImportError:
+        raise AttnmtError(
+            "--format onnx needs onnx, onnxscript and onnxruntime: pip install 'attnmt[onnx]'"
+        ) from None
+
+
+class OnnxModel:
+    """An exported folder run by onnxruntime: greedy search as attnmt's (the export's check,
+    the benchmark)."""
+
+    def __init__(self, folder: Path, threads: int = 1) -> None:
+        import onnxruntime as ort
+
+        self.info = json.loads((folder / MANIFEST).read_text())
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+        cpu = ["CPUExecutionProvider"]
+        self.encoder = ort.InferenceSession(str(folder / "encoder.onnx"), opts, providers=cpu)
+        self.decoder = ort.InferenceSession(str(folder / "decoder.onnx"), opts, providers=cpu)
+
+    def limit(self, src_len: int) -> int:
+        """attnmt's output limit (decoding.search.output_limit) from the manifest."""
+        lim = self.info["output_limit"]
+        scaled = round(lim["a"] * src_len, 6)
+        rounded = math.ceil(scaled) if lim["round"] == "ceil" else math.floor(scaled)
+        return max(1, min(rounded + lim["b"], lim["max"]))
+
+    def greedy(self, src: list[list[int]]) -> list[list[int]]:
+        """Source ids (EOS included) -> output ids (without EOS), as attnmt's greedy search."""
+        info, ids = self.info, self.info["ids"]
+        S = max(map(len, src))
+        tokens = np.array([s + [ids["pad"]] * (S - len(s)) for s in src], dtype=np.int64)
+        encoded = dict(
+            zip(info["encoder"]["outputs"], self.encoder.run(None, {"src": tokens}), strict=True)
+        )
+        memory = [encoded[n] for n in info["memory"]]
+        state = [
+            encoded[s["name"]]
+            if s["init"] == "encoder"
+            else np.zeros((len(src), *s["shape"]), np.float32)
+            for s in info["state"]
+        ]
+        limits = np.array([self.limit(len(s)) for s in src])
+        rows = np.arange(len(src))  # the sentence of each row still searched
+        prev = np.full(len(src), ids["bos"], dtype=np.int64)
+        out: list[list[int]] = [[] for _ in src]
+        names = info["decoder"]["inputs"]
+        for step in range(int(limits.max())):
+            position = [np.full(len(rows), step, dtype=np.int64)] if info["max_positions"] else []
+            feed = dict(zip(names, [prev, *position, *memory, *state], strict=True))
+            logp, *state = self.decoder.run(None, feed)
+            logp[:, ids["never_output"]] = -np.inf
+            prev = logp.argmax(axis=1)
+            done = (prev == ids["eos"]) | (step + 1 >= limits[rows])
+            for r, token in zip(rows, prev, strict=True):
+                if token != ids["eos"]:
+                    out[r].append(int(token))
+            keep = ~done
+            if not keep.any():
+                break
+            rows, prev = rows[keep], prev[keep]
+            memory = [m[keep] for m in memory]
+            state = [s[keep] for s in state]
+        return out
+
+
+def check_agreement(
+    out: Path, model_dir: Path, weights: str, lines: list[str], source: str
+) -> list[Agreement]:
+    """Greedy output of the export (onnxruntime) against attnmt's, sentence by sentence (a
+    multilingual model into each of its target languages)."""
+    ours = Translator.load(model_dir, "cpu", weights, "fp32", workers=1)
+    langs: list[str | None] = list(ours.target_langs) if ours.cfg.data.multilingual else [None]
+    theirs = OnnxModel(out)
+    found = []
+    for lang in langs:
+        want = ours.translate(lines, beam=1, target_lang=lang)
+        prefix = ours.source_prefix(lang)
+        src = [[*prefix, *ids, EOS_ID] for ids in ours.tokenizer.src.encode(lines)]
+        got = [theirs.greedy([s])[0] for s in src]
+        same = sum(ours.tokenizer.tgt.decode(g) == w for g, w in zip(got, want, strict=True))
+        found.append(Agreement(same, len(lines), source, f"into {lang}" if lang else ""))
+    return found
+
+
+def report_agreement(out: Path, model_dir: Path, weights: str, given: Path | None) -> None:
+    """Print the export's agreement with attnmt on check_lines."""
+    lines, source = check_lines(model_dir, given)
+    if not lines:
+        print("no sentences to check the export on (the dev set is gone); use --check FILE")
+        return
+    for found in check_agreement(out, model_dir, weights, lines, source):
+        print(found, flush=True)
