@@ -48,24 +48,34 @@ def export_onnx(
 ) -> list[str]:
     """Write model_dir's model (its `weights`) as ONNX graphs with their manifest and
     tokenizer into `out` (whole or not at all); returns the files written."""
+    check_onnx_export(model_dir, out, quantization, force)
+    with atomic_directory(out, "the export") as tmp:
+        write_onnx(model_dir, tmp, weights, quantization)
+    return sorted(p.name for p in out.iterdir())
+
+
+def check_onnx_export(model_dir: Path, out: Path, quantization: str | None, force: bool) -> None:
+    """Refuse, before any work, what the export cannot do."""
     _import_onnx()
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise AttnmtError(f"--quantization {quantization!r}: expected int8 for --format onnx")
     check_export_path(model_dir, out, force)
+
+
+def write_onnx(model_dir: Path, folder: Path, weights: str, quantization: str | None) -> None:
+    """The graphs, the tokenizer files and the manifest, into `folder`."""
     cfg, tokenizer, net = load_model_dir(model_dir, weights, "cpu")
     graphs = model_graphs(net)
-    with atomic_directory(out, "the export") as tmp:
-        write_graphs(graphs, tmp, quantization)
-        for name, data in tokenizer.files().items():
-            (tmp / name).write_bytes(data)
-        pieces = tokenizer_json(tokenizer.src.proto, tokenizer.src.reserved)
-        (tmp / "tokenizer.json").write_text(json.dumps(pieces, ensure_ascii=False))
-        if not cfg.tokenizer.joint:
-            tgt = tokenizer_json(tokenizer.tgt.proto, tokenizer.tgt.reserved)
-            (tmp / "tokenizer.tgt.json").write_text(json.dumps(tgt, ensure_ascii=False))
-        info = manifest(cfg, tokenizer, net, graphs, quantization)
-        (tmp / MANIFEST).write_text(json.dumps(info, indent=2) + "\n")
-    return sorted(p.name for p in out.iterdir())
+    write_graphs(graphs, folder, quantization)
+    for name, data in tokenizer.files().items():
+        (folder / name).write_bytes(data)
+    pieces = tokenizer_json(tokenizer.src.proto, tokenizer.src.reserved)
+    (folder / "tokenizer.json").write_text(json.dumps(pieces, ensure_ascii=False))
+    if not cfg.tokenizer.joint:
+        tgt = tokenizer_json(tokenizer.tgt.proto, tokenizer.tgt.reserved)
+        (folder / "tokenizer.tgt.json").write_text(json.dumps(tgt, ensure_ascii=False))
+    info = manifest(cfg, tokenizer, net, graphs, quantization)
+    (folder / MANIFEST).write_text(json.dumps(info, indent=2) + "\n")
 
 
 def manifest(

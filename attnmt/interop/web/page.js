@@ -1,0 +1,52 @@
+// The page: loads the model from model/, translates the text area's lines (or ?q=TEXT on
+// load) and shows them in #output, a line per line. ?beam=K sets the beam size.
+(async function () {
+  "use strict";
+  const $ = (id) => document.getElementById(id);
+  const params = new URLSearchParams(location.search);
+  ort.env.wasm.wasmPaths = new URL("runtime/", location.href).href;
+  let model;
+  try {
+    model = await AttnmtSearch.load("model/");
+  } catch (e) {
+    $("status").textContent = "";
+    $("error").textContent = `the model could not be loaded: ${e.message || e}`;
+    return;
+  }
+  const threads = ort.env.wasm.numThreads;
+  $("status").textContent =
+    `${model.info.arch} model, ${model.info.quantization}, in this browser (WebAssembly` +
+    `${threads > 1 ? `, ${threads} threads` : ""}): nothing leaves this page`;
+  $("go").disabled = false;
+
+  async function translate() {
+    const lines = $("source").value.split("\n");
+    const beam = Math.max(1, Math.min(16, parseInt($("beam").value, 10) || 1));
+    $("error").textContent = "";
+    $("go").disabled = true;
+    const start = performance.now();
+    try {
+      const out = await model.translate(lines, beam);
+      const seconds = (performance.now() - start) / 1000;
+      $("output").textContent = out.join("\n");
+      const words = out.reduce((n, s) => n + (s.trim() ? s.trim().split(/\s+/).length : 0), 0);
+      window.attnmtTiming = { sentences: lines.length, words, seconds };
+      $("status").textContent = `${lines.length} line(s), ${words} words in ${seconds.toFixed(2)} s`;
+    } catch (e) {
+      $("error").textContent = `translation failed: ${e.message || e}`;
+    } finally {
+      $("go").disabled = false;
+    }
+  }
+
+  $("form").addEventListener("submit", (e) => { e.preventDefault(); translate(); });
+  $("source").addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) { e.preventDefault(); translate(); }
+  });
+  if (params.has("beam")) $("beam").value = params.get("beam");
+  if (params.has("q")) {
+    $("source").value = params.get("q");
+    await translate();
+  }
+  document.body.dataset.ready = "1";
+})();

@@ -1,0 +1,187 @@
+// Greedy and beam search over an attnmt ONNX export (interop/onnx.py), as attnmt's own
+// (decoding/greedy.py, decoding/beam.py): the encoder graph once per batch, then one decoder
+// step at a time, its state (caches, recurrent states) passed back in. Every memory and state
+// tensor has its batch on axis 0, so keeping, repeating or reordering rows is one copy.
+(function (root) {
+  "use strict";
+
+  function size(dims) {
+    return dims.reduce((a, b) => a * b, 1);
+  }
+
+  // The rows `index` of tensor t (batch on axis 0), in that order.
+  function rows(t, index) {
+    const width = size(t.dims.slice(1));
+    const out = new t.data.constructor(index.length * width);
+    index.forEach((r, i) => out.set(t.data.subarray(r * width, (r + 1) * width), i * width));
+    return new ort.Tensor(t.type, out, [index.length, ...t.dims.slice(1)]);
+  }
+
+  function int64(values, dims) {
+    return new ort.Tensor("int64", BigInt64Array.from(values, (v) => BigInt(v)), dims);
+  }
+
+  class Model {
+    constructor(info, src, tgt, encoder, decoder) {
+      Object.assign(this, { info, src, tgt, encoder, decoder });
+      this.ids = info.ids;
+    }
+
+    static async load(base) {
+      const json = async (name) => (await fetch(base + name)).json();
+      const info = await json("attnmt-onnx.json");
+      const src = new AttnmtTokenizer(await json(info.tokenizer.source));
+      const same = info.tokenizer.target === info.tokenizer.source;
+      const tgt = same ? src : new AttnmtTokenizer(await json(info.tokenizer.target));
+      const options = { executionProviders: ["wasm"], graphOptimizationLevel: "all" };
+      const encoder = await ort.InferenceSession.create(base + "encoder.onnx", options);
+      const decoder = await ort.InferenceSession.create(base + "decoder.onnx", options);
+      return new Model(info, src, tgt, encoder, decoder);
+    }
+
+    // attnmt's output limit: a × source subwords (EOS included) + b, rounded as configured.
+    limit(srcLen) {
+      const lim = this.info.output_limit;
+      const scaled = Math.round(lim.a * srcLen * 1e6) / 1e6;
+      const rounded = lim.round === "ceil" ? Math.ceil(scaled) : Math.floor(scaled);
+      return Math.max(1, Math.min(rounded + lim.b, lim.max));
+    }
+
+    sourceIds(line) {
+      const ids = this.src.encode(line).slice(0, this.info.max_src_len - 1);
+      return [...ids, this.ids.eos];
+    }
+
+    // The encoder over sentences (id lists): memory tensors and the state before BOS.
+    async encode(sources) {
+      const S = Math.max(...sources.map((s) => s.length));
+      const flat = sources.flatMap((s) => [...s, ...Array(S - s.length).fill(this.ids.pad)]);
+      const out = await this.encoder.run({ src: int64(flat, [sources.length, S]) });
+      const memory = this.info.memory.map((name) => out[name]);
+      const state = this.info.state.map((s) => {
+        if (s.init === "encoder") return out[s.name];
+        const dims = [sources.length, ...s.shape];
+        return new ort.Tensor("float32", new Float32Array(size(dims)), dims);
+      });
+      return { memory, state };
+    }
+
+    // One decoder step: next-token log-probabilities (n × V, the never-output ids -inf).
+    async step(prev, step, memory, state) {
+      const n = prev.length;
+      const values = [int64(prev, [n])];
+      if (this.info.max_positions) values.push(int64(Array(n).fill(step), [n]));
+      const feed = {};
+      this.info.decoder.inputs.forEach((name, i) => {
+        feed[name] = i < values.length ? values[i] : [...memory, ...state][i - values.length];
+      });
+      const out = await this.decoder.run(feed);
+      const [logpName, ...stateNames] = this.info.decoder.outputs;
+      const logp = out[logpName].data;
+      const V = logp.length / n;
+      for (let r = 0; r < n; r++) for (const id of this.ids.never_output) logp[r * V + id] = -Infinity;
+      return { logp, V, state: stateNames.map((name) => out[name]) };
+    }
+
+    // Greedy search of a batch of sentences: output ids, without EOS.
+    async greedy(sources) {
+      let { memory, state } = await this.encode(sources);
+      const limits = sources.map((s) => this.limit(s.length));
+      const out = sources.map(() => []);
+      let active = sources.map((_, i) => i);
+      let prev = sources.map(() => this.ids.bos);
+      for (let step = 0; active.length; step++) {
+        const next = await this.step(prev, step, memory, state);
+        const keep = [];
+        prev = [];
+        active.forEach((sent, r) => {
+          let best = 0;
+          for (let v = 1; v < next.V; v++) if (next.logp[r * next.V + v] > next.logp[r * next.V + best]) best = v;
+          if (best !== this.ids.eos) out[sent].push(best);
+          if (best !== this.ids.eos && step + 1 < limits[sent]) keep.push(r), prev.push(best);
+        });
+        active = keep.map((r) => active[r]);
+        memory = memory.map((t) => rows(t, keep));
+        state = next.state.map((t) => rows(t, keep));
+      }
+      return out;
+    }
+
+    // Beam search of one sentence (K beams, the GNMT length penalty): the best hypothesis.
+    async beam(source, K) {
+      const enc = await this.encode([source]);
+      const zeros = Array(K).fill(0);
+      let memory = enc.memory.map((t) => rows(t, zeros));
+      let state = enc.state.map((t) => rows(t, zeros));
+      const limit = this.limit(source.length);
+      const alpha = this.info.length_penalty;
+      const penalty = (length) => Math.pow((5 + length) / 6, alpha);
+      let scores = [0, ...Array(K - 1).fill(-Infinity)];
+      let tokens = zeros.map(() => []);
+      let prev = zeros.map(() => this.ids.bos);
+      const finished = [];
+      for (let step = 0; ; step++) {
+        const next = await this.step(prev, step, memory, state);
+        const cands = best(scores, next.logp, next.V, 2 * K);
+        const length = step + 1;
+        cands.slice(0, K).forEach((c) => {
+          if (c.token === this.ids.eos && c.score > -Infinity) {
+            finished.push({ tokens: tokens[c.beam], score: c.score / penalty(length) });
+          }
+        });
+        const pick = cands
+          .map((c) => ({ ...c, key: c.token === this.ids.eos ? -Infinity : c.score }))
+          .sort((a, b) => b.key - a.key)
+          .slice(0, K);
+        tokens = pick.map((c) => [...tokens[c.beam], c.token]);
+        scores = pick.map((c) => c.key);
+        const atLimit = limit <= length;
+        if (atLimit) tokens.forEach((t, j) => finished.push({ tokens: t, score: scores[j] / penalty(length) }));
+        if (atLimit || (cands[0].token === this.ids.eos && finished.length)) {
+          return finished.reduce((a, b) => (b.score > a.score ? b : a)).tokens;
+        }
+        const beams = pick.map((c) => c.beam);
+        state = next.state.map((t) => rows(t, beams));
+        prev = pick.map((c) => c.token);
+      }
+    }
+
+    async translate(lines, K = 1) {
+      const out = lines.map(() => "");
+      const todo = lines.map((l, i) => i).filter((i) => lines[i].trim());
+      if (K > 1) {
+        for (const i of todo) out[i] = this.tgt.decode(await this.beam(this.sourceIds(lines[i]), K));
+        return out;
+      }
+      const sources = todo.map((i) => this.sourceIds(lines[i]));
+      const order = todo.map((_, j) => j).sort((a, b) => sources[a].length - sources[b].length);
+      for (let at = 0; at < order.length; at += BATCH) {
+        const part = order.slice(at, at + BATCH);
+        const found = await this.greedy(part.map((j) => sources[j]));
+        part.forEach((j, r) => (out[todo[j]] = this.tgt.decode(found[r])));
+      }
+      return out;
+    }
+  }
+
+  const BATCH = 16; // sentences a greedy batch: similar lengths together
+
+  // The n best (beam, token) extensions of beam scores by next-token log-probs, best first.
+  function best(scores, logp, V, n) {
+    const top = [];
+    scores.forEach((s, beam) => {
+      if (s === -Infinity) return;
+      for (let v = 0; v < V; v++) {
+        const score = s + logp[beam * V + v];
+        if (top.length === n && score <= top[n - 1].score) continue;
+        let at = top.length;
+        while (at > 0 && top[at - 1].score < score) at--;
+        top.splice(at, 0, { score, beam, token: v });
+        if (top.length > n) top.pop();
+      }
+    });
+    return top;
+  }
+
+  root.AttnmtSearch = Model;
+})(this);

@@ -1,0 +1,76 @@
+"""Put onnxruntime-web's WebAssembly build where `attnmt export --format web` takes it from
+(attnmt/interop/web/runtime/), from the npm registry (`npm pack`) or from a folder or .tgz
+already here (--from): python scripts/get_web_runtime.py [--from DIR_OR_TGZ]."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+VERSION = "1.30.0"  # tested with attnmt's exports (opset 18)
+TARGET = Path(__file__).resolve().parent.parent / "attnmt" / "interop" / "web" / "runtime"
+FILES = ("ort.wasm.min.js", "ort-wasm-simd-threaded.mjs", "ort-wasm-simd-threaded.wasm")
+LICENSE = f"""onnxruntime-web {VERSION} (https://www.npmjs.com/package/onnxruntime-web), MIT License
+
+Copyright (c) Microsoft Corporation
+
+Permission is hereby granted, free of charge, to any person obtaining a copy of this software
+and associated documentation files (the "Software"), to deal in the Software without
+restriction, including without limitation the rights to use, copy, modify, merge, publish,
+distribute, sublicense, and/or sell copies of the Software, and to permit persons to whom the
+Software is furnished to do so, subject to the following conditions:
+
+The above copyright notice and this permission notice shall be included in all copies or
+substantial portions of the Software.
+
+THE SOFTWARE IS PROVIDED "AS IS", WITHOUT WARRANTY OF ANY KIND, EXPRESS OR IMPLIED, INCLUDING
+BUT NOT LIMITED TO THE WARRANTIES OF MERCHANTABILITY, FITNESS FOR A PARTICULAR PURPOSE AND
+NONINFRINGEMENT. IN NO EVENT SHALL THE AUTHORS OR COPYRIGHT HOLDERS BE LIABLE FOR ANY CLAIM,
+DAMAGES OR OTHER LIABILITY, WHETHER IN AN ACTION OF CONTRACT, TORT OR OTHERWISE, ARISING FROM,
+OUT OF OR IN CONNECTION WITH THE SOFTWARE OR THE USE OR OTHER DEALINGS IN THE SOFTWARE.
+"""
+
+
+def dist_folder(source: Path | None, tmp: Path) -> Path:
+    """The package's dist/ folder: unpacked from `source` (a .tgz or a folder) or npm pack."""
+    if source is not None and source.is_dir():
+        return source / "dist" if (source / "dist").is_dir() else source
+    if source is None:
+        if shutil.which("npm") is None:
+            sys.exit("get_web_runtime: npm is not installed; use --from a .tgz or a folder")
+        done = subprocess.run(
+            ["npm", "pack", f"onnxruntime-web@{VERSION}", "--silent"],
+            cwd=tmp, capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        if done.returncode:
+            sys.exit(f"get_web_runtime: npm pack failed: {done.stderr.strip()[-300:]}")
+        source = tmp / done.stdout.strip().splitlines()[-1]
+    with tarfile.open(source) as tgz:
+        tgz.extractall(tmp, filter="data")
+    return tmp / "package" / "dist"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--from", dest="source", type=Path, help="a .tgz or a folder")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        dist = dist_folder(args.source, Path(tmp))
+        missing = [name for name in FILES if not (dist / name).is_file()]
+        if missing:
+            sys.exit(f"get_web_runtime: {dist} lacks {', '.join(missing)}")
+        TARGET.mkdir(parents=True, exist_ok=True)
+        for name in FILES:
+            shutil.copyfile(dist / name, TARGET / name)
+    (TARGET / "LICENSE").write_text(LICENSE)
+    size = sum((TARGET / name).stat().st_size for name in FILES)
+    print(f"{TARGET}: onnxruntime-web {VERSION}, {size / 1e6:.1f} MB")
+
+
+if __name__ == "__main__":
+    main()
