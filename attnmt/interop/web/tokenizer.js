@@ -13,10 +13,14 @@
     constructor(spec) {
       this.spec = spec;
       this.ids = new Map(); // piece -> id, the pieces text may become
+      this.reserved = new Map(); // language tags: SentencePiece matches them in text, attnmt
+      this.anyPiece = new Map(); // then spells them in their characters' pieces
       this.maxLen = 1;
       let minScore = 0;
       spec.pieces.forEach(([piece, score, kind], id) => {
-        if (kind === "normal" || kind === "user") {
+        if (!this.anyPiece.has(piece)) this.anyPiece.set(piece, id);
+        if (kind === "reserved") this.reserved.set(piece, id);
+        else if (kind === "normal" || kind === "user") {
           this.ids.set(piece, id);
           this.maxLen = Math.max(this.maxLen, Array.from(piece).length);
           minScore = Math.min(minScore, score);
@@ -34,10 +38,39 @@
     }
 
     encode(text) {
-      const chars = Array.from(this.normalize(text));
-      if (!chars.length) return [];
-      const ids = this.spec.model_type === "bpe" ? this.bpe(chars) : this.viterbi(chars);
-      return mergeUnknown(ids, this.spec.unk_id);
+      const ids = [];
+      for (const part of this.parts(Array.from(this.normalize(text)))) {
+        if (typeof part === "string") ids.push(-1 - this.reserved.get(part));
+        else if (part.length) ids.push(...(this.spec.model_type === "bpe" ? this.bpe(part) : this.viterbi(part)));
+      }
+      return mergeUnknown(ids, this.spec.unk_id).flatMap((id) => {
+        if (id >= 0) return [id];
+        const piece = this.spec.pieces[-1 - id][0];
+        return Array.from(piece, (c) => this.anyPiece.get(c) ?? this.spec.unk_id);
+      });
+    }
+
+    // The characters split around the reserved pieces they spell (strings), longest first.
+    parts(chars) {
+      if (!this.reserved.size) return [chars];
+      const found = [];
+      let start = 0;
+      for (let i = 0; i < chars.length; i++) {
+        for (let j = Math.min(chars.length, i + this.maxReserved()); j > i; j--) {
+          const s = chars.slice(i, j).join("");
+          if (!this.reserved.has(s)) continue;
+          found.push(chars.slice(start, i), s);
+          start = j;
+          i = j - 1;
+          break;
+        }
+      }
+      found.push(chars.slice(start));
+      return found;
+    }
+
+    maxReserved() {
+      return Math.max(...Array.from(this.reserved.keys(), (p) => Array.from(p).length));
     }
 
     viterbi(chars) {

@@ -1,0 +1,157 @@
+"""attnmt export --format web: the page translates in headless Chromium as attnmt does
+(greedy and beam, ?q= on load, Ctrl+Enter), its SentencePiece in JavaScript segments as
+SentencePiece does (unigram and BPE, in Node), and a missing runtime is one clear line."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import http.server
+import json
+import shutil
+import subprocess
+import threading
+import urllib.parse
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sentencepiece as spm
+
+from attnmt import Translator
+from attnmt.data.tokenizer import SubwordVocab
+from attnmt.interop.tokenizer_json import tokenizer_json
+from attnmt.interop.web import PAGE, RUNTIME, RUNTIME_FILES
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+NODE = shutil.which("node")
+CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+HAS_RUNTIME = all((RUNTIME / name).is_file() for name in RUNTIME_FILES)
+NO_RUNTIME = "onnxruntime-web is not installed: python scripts/get_web_runtime.py (as .ci/run does)"
+
+
+@pytest.mark.skipif(NODE is None, reason="no Node.js here (the tokenizer's test runs it)")
+@pytest.mark.parametrize("model_type", ["unigram", "bpe"])
+def test_the_javascript_tokenizer_segments_as_sentencepiece(tmp_path: Path, corpus, model_type):
+    model = tmp_path / "m"
+    spm.SentencePieceTrainer.train(
+        input=str(corpus["train_src"]), model_prefix=str(model), vocab_size=40, hard_vocab_limit=False,
+        model_type=model_type, character_coverage=0.98, user_defined_symbols=["<2en>"],
+    )  # fmt: skip
+    vocab = SubwordVocab((tmp_path / "m.model").read_bytes())
+    lines = corpus["dev_src"].read_text().splitlines()
+    lines += ["  zwei   Hunde! ", "Ünïcödé ½ ﬁ", "日本語 😀 qx", "", "x <2en> y"]
+    spec = tmp_path / "tokenizer.json"
+    spec.write_text(json.dumps(tokenizer_json(vocab.proto, vocab.reserved), ensure_ascii=False))
+    script = (
+        f"const {{ Tokenizer }} = require({json.dumps(str(PAGE / 'tokenizer.js'))});"
+        "const fs = require('fs');"
+        f"const t = new Tokenizer(JSON.parse(fs.readFileSync({json.dumps(str(spec))})));"
+        "const lines = JSON.parse(fs.readFileSync(0));"
+        "const found = lines.map((l) => { const ids = t.encode(l); return [ids, t.decode(ids)]; });"
+        "console.log(JSON.stringify(found));"
+    )  # fmt: skip
+    done = subprocess.run(
+        [NODE, "-e", script], input=json.dumps(lines), capture_output=True, text=True, check=True
+    )
+    got = json.loads(done.stdout)
+    want = vocab.encode(lines)
+    assert [ids for ids, _ in got] == want
+    assert [text for _, text in got] == [vocab.decode(ids) for ids in want]
+
+
+@contextlib.contextmanager
+def static_server(folder: Path) -> Iterator[str]:
+    """`folder` served on a loopback port, as python -m http.server serves it."""
+    handler = functools.partial(QuietHandler, directory=str(folder))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if CHROMIUM is None or DRIVER is None:
+        pytest.skip("no Chromium here: apt-get install chromium chromium-driver (as .ci/run does)")
+    from selenium import webdriver
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(DRIVER))
+    yield driver
+    driver.quit()
+
+
+def page_output(browser, url: str) -> str:
+    """Open url and wait for the page to finish (#output filled or #error set)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(url)
+    WebDriverWait(browser, 120).until(
+        lambda d: (
+            d.execute_script("return document.body.dataset.ready")
+            or d.find_element(By.ID, "error").text
+        )
+    )
+    assert browser.find_element(By.ID, "error").text == ""
+    return browser.find_element(By.ID, "output").text
+
+
+@pytest.mark.skipif(not HAS_RUNTIME, reason=NO_RUNTIME)
+def test_the_page_translates_in_the_browser_as_attnmt(tmp_path: Path, trained, browser, run_cli):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    model, corpus = trained
+    out = tmp_path / "web"
+    result = run_cli("export", str(model), str(out), "--format", "web")
+    assert result.code == 0, result.stderr
+    assert "20/20 identical" in result.stdout
+    assert {"index.html", "runtime", "model"} <= {p.name for p in out.iterdir()}
+    lines = corpus["dev_src"].read_text().splitlines()
+    ours = Translator.load(model)
+    q = urllib.parse.quote("\n".join(lines))
+    with static_server(out) as base:
+        greedy = page_output(browser, f"{base}/index.html?q={q}")
+        assert greedy.split("\n") == ours.translate(lines, beam=1)
+        beam = page_output(browser, f"{base}/index.html?q={q}&beam=3")
+        assert beam.split("\n") == ours.translate(lines, beam=3)
+        # By keyboard: the text, then Ctrl+Enter.
+        page_output(browser, f"{base}/index.html")
+        source = browser.find_element(By.ID, "source")
+        source.send_keys(lines[0])
+        source.send_keys(Keys.CONTROL, Keys.ENTER)
+        want = ours.translate(lines[:1], beam=1)[0]
+        WebDriverWait(browser, 60).until(lambda d: d.find_element(By.ID, "output").text == want)
+        requests = browser.execute_script(
+            "return performance.getEntriesByType('resource').map((e) => e.name)"
+        )
+        assert requests and all(r.startswith(base) for r in requests)  # nothing from elsewhere
+
+
+def test_a_missing_runtime_is_one_line(tmp_path: Path, trained, run_cli):
+    model, _ = trained
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = run_cli(
+        "export", str(model), str(tmp_path / "web"), "--format", "web", "--runtime", str(empty)
+    )
+    assert result.code == 2
+    assert "onnxruntime-web is missing" in result.stderr and result.stderr.count("\n") == 1
+    assert not (tmp_path / "web").exists()
