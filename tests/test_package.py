@@ -36,6 +36,9 @@ def test_the_wheel_holds_every_subpackage(wheel: Path):
     names = zipfile.ZipFile(wheel).namelist()
     modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "attnmt").rglob("*.py")}
     assert modules <= set(names), sorted(modules - set(names))
+    pages = {"attnmt/serve/web/index.html", "attnmt/interop/web/index.html"}
+    scripts = {p.relative_to(ROOT).as_posix() for p in (ROOT / "attnmt").rglob("web/*.js")}
+    assert pages | scripts <= set(names), sorted((pages | scripts) - set(names))
 
 
 def test_installed_wheel_translates_from_another_directory(wheel: Path, trained, tmp_path: Path):

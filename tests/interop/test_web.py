@@ -37,8 +37,9 @@ NO_RUNTIME = "onnxruntime-web is not installed: python scripts/get_web_runtime.p
 def test_the_javascript_tokenizer_segments_as_sentencepiece(tmp_path: Path, corpus, model_type):
     model = tmp_path / "m"
     spm.SentencePieceTrainer.train(
-        input=str(corpus["train_src"]), model_prefix=str(model), vocab_size=40, hard_vocab_limit=False,
-        model_type=model_type, character_coverage=0.98, user_defined_symbols=["<2en>"],
+        input=str(corpus["train_src"]), model_prefix=str(model), vocab_size=40,
+        hard_vocab_limit=False, model_type=model_type, character_coverage=0.98,
+        user_defined_symbols=["<2en>"],
     )  # fmt: skip
     vocab = SubwordVocab((tmp_path / "m.model").read_bytes())
     lines = corpus["dev_src"].read_text().splitlines()
@@ -155,3 +156,35 @@ def test_a_missing_runtime_is_one_line(tmp_path: Path, trained, run_cli):
     assert result.code == 2
     assert "onnxruntime-web is missing" in result.stderr and result.stderr.count("\n") == 1
     assert not (tmp_path / "web").exists()
+
+
+@pytest.mark.skipif(not HAS_RUNTIME, reason=NO_RUNTIME)
+def test_a_multilingual_page_translates_into_the_chosen_language(tmp_path: Path, browser, run_cli):
+    from selenium.webdriver.common.by import By
+
+    from attnmt.config import from_dict
+    from attnmt.training.loop import train
+
+    from conftest import make_pairs, tiny_config, write_lines
+
+    src, tgt = make_pairs(200, 1)
+    files = {
+        "src": str(write_lines(tmp_path / "s", src)),
+        "tgt": str(write_lines(tmp_path / "t", tgt)),
+    }
+    raw = tiny_config({k: tmp_path / k for k in ("train_src", "train_tgt", "dev_src", "dev_tgt")})
+    raw["data"]["train"] = [{**files, "tgt_lang": lang} for lang in ("de", "en")]
+    raw["data"]["dev"] = [{**files, "tgt_lang": lang} for lang in ("de", "en")]
+    raw["train"].update(max_steps=2, eval_every=2)
+    train(from_dict(raw), tmp_path / "m", quiet=True)
+    result = run_cli("export", str(tmp_path / "m"), str(tmp_path / "web"), "--format", "web")
+    assert result.code == 0, result.stderr
+    assert "into de" in result.stdout and "into en" in result.stdout
+    ours = Translator.load(tmp_path / "m")
+    lines = src[:5]
+    q = urllib.parse.quote("\n".join(lines))
+    with static_server(tmp_path / "web") as base:
+        for lang in ("de", "en"):
+            got = page_output(browser, f"{base}/index.html?q={q}&lang={lang}")
+            assert got.split("\n") == ours.translate(lines, beam=1, target_lang=lang)
+            assert browser.find_element(By.ID, "lang").get_attribute("value") == lang

@@ -1,5 +1,6 @@
 // The page: loads the model from model/, translates the text area's lines (or ?q=TEXT on
-// load) and shows them in #output, a line per line. ?beam=K sets the beam size.
+// load) and shows them in #output, a line per line. ?beam=K sets the beam size; a multilingual
+// model's target language is chosen in #lang (?lang=L).
 (async function () {
   "use strict";
   const $ = (id) => document.getElementById(id);
@@ -17,6 +18,10 @@
   $("status").textContent =
     `${model.info.arch} model, ${model.info.quantization}, in this browser (WebAssembly` +
     `${threads > 1 ? `, ${threads} threads` : ""}): nothing leaves this page`;
+  const langs = Object.keys(model.info.target_tags);
+  for (const lang of langs) $("lang").add(new Option(lang, lang));
+  $("lang-label").hidden = !langs.length;
+  if (langs.includes(params.get("lang"))) $("lang").value = params.get("lang");
   $("go").disabled = false;
 
   async function translate() {
@@ -26,7 +31,7 @@
     $("go").disabled = true;
     const start = performance.now();
     try {
-      const out = await model.translate(lines, beam);
+      const out = await model.translate(lines, beam, langs.length ? $("lang").value : null);
       const seconds = (performance.now() - start) / 1000;
       $("output").textContent = out.join("\n");
       const words = out.reduce((n, s) => n + (s.trim() ? s.trim().split(/\s+/).length : 0), 0);

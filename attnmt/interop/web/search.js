@@ -47,9 +47,11 @@
       return Math.max(1, Math.min(rounded + lim.b, lim.max));
     }
 
-    sourceIds(line) {
-      const ids = this.src.encode(line).slice(0, this.info.max_src_len - 1);
-      return [...ids, this.ids.eos];
+    // A line's source ids: a multilingual model's tag of the target language first, EOS last.
+    sourceIds(line, lang) {
+      const tag = lang ? [this.info.target_tags[lang]] : [];
+      const ids = this.src.encode(line).slice(0, this.info.max_src_len - 1 - tag.length);
+      return [...tag, ...ids, this.ids.eos];
     }
 
     // The encoder over sentences (id lists): memory tensors and the state before BOS.
@@ -146,14 +148,15 @@
       }
     }
 
-    async translate(lines, K = 1) {
+    // Each line's translation (empty lines stay empty): greedy in batches, or K beams.
+    async translate(lines, K = 1, lang = null) {
       const out = lines.map(() => "");
       const todo = lines.map((l, i) => i).filter((i) => lines[i].trim());
       if (K > 1) {
-        for (const i of todo) out[i] = this.tgt.decode(await this.beam(this.sourceIds(lines[i]), K));
+        for (const i of todo) out[i] = this.tgt.decode(await this.beam(this.sourceIds(lines[i], lang), K));
         return out;
       }
-      const sources = todo.map((i) => this.sourceIds(lines[i]));
+      const sources = todo.map((i) => this.sourceIds(lines[i], lang));
       const order = todo.map((_, j) => j).sort((a, b) => sources[a].length - sources[b].length);
       for (let at = 0; at < order.length; at += BATCH) {
         const part = order.slice(at, at + BATCH);
