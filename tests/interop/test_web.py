@@ -140,6 +140,12 @@ def test_the_page_translates_in_the_browser_as_attnmt(tmp_path: Path, trained, b
         source.send_keys(Keys.CONTROL, Keys.ENTER)
         want = ours.translate(lines[:1], beam=1)[0]
         WebDriverWait(browser, 60).until(lambda d: d.find_element(By.ID, "output").text == want)
+        # 400 % zoom of a 1,280-pixel screen is 320 CSS pixels: the page reflows.
+        browser.set_window_size(320, 900)
+        assert browser.execute_script(
+            "return document.documentElement.scrollWidth <= window.innerWidth"
+        )
+        browser.set_window_size(1000, 900)
         requests = browser.execute_script(
             "return performance.getEntriesByType('resource').map((e) => e.name)"
         )
