@@ -254,6 +254,15 @@ def main() -> int:
     v.add_argument("--eole-spm", type=Path, help="the SentencePiece model of its data")
     v.add_argument("--eole-batch-rate", type=float, default=0.0,
                    help="its batch path's sentences/s (the peers harness's decode)")  # fmt: skip
+    o = sub.add_parser("onnx", help="ONNX and the web page beside attnmt (fp32, int8)")
+    o.add_argument("--model", type=Path, required=True, help="model directory")
+    o.add_argument("--data", type=Path, default=Path("data/multi30k"), help="Multi30k folder")
+    o.add_argument("--sentences", type=int, default=1000)
+    o.add_argument("--runs", type=int, default=3)
+    o.add_argument("--threads", type=int, default=1, help="attnmt's and onnxruntime's threads")
+    o.add_argument("--precision", type=lambda s: s.split(","), default=["fp32", "int8"])
+    o.add_argument("--browser", action="store_true", help="also the page in headless Chromium")
+    o.add_argument("--page-threads", type=ints, default=[1, 2], help="the page's threads")
     for parser in (d, e, t):
         parser.add_argument(
             "--busy", type=int, default=0,
@@ -282,6 +291,10 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         from bench_serve import bench_serve
 
         bench_serve(args)
+    elif args.what == "onnx":
+        from bench_onnx import bench_onnx
+
+        bench_onnx(args)
     elif args.what == "data":
         from bench_data import bench_data
 

@@ -361,6 +361,9 @@ def export(
     check: Annotated[Path | None, typer.Option(
         "--check", help="Compare the export with attnmt on this file's first 100 lines "
         "(default: the dev set's).")] = None,
+    onnx: Annotated[bool, typer.Option(
+        "--onnx", help="huggingface: also onnx/ (fp32, int8), tokenizer.json and "
+        "generation_config.json, as Optimum and transformers.js load them.")] = False,
     runtime: Annotated[Path | None, typer.Option(
         "--runtime", help="web: a folder with onnxruntime-web's ort.wasm.min.js and .wasm files "
         "(default: the copy installed with attnmt, scripts/get_web_runtime.py).")] = None,
@@ -377,14 +380,21 @@ def export(
         raise AttnmtError(f"model directory not found: {model}")
     if runtime is not None and format != "web":
         raise AttnmtError("--runtime is for --format web")
+    if onnx and format != "huggingface":
+        raise AttnmtError("--onnx is for --format huggingface (--format onnx exports any model)")
     if format == "huggingface":
         if quantization is not None or check is not None:
             raise AttnmtError("--quantization and --check are not for --format huggingface")
         from attnmt.interop.huggingface import export_huggingface
 
-        n = export_huggingface(model, out, weights, force)
+        if onnx:
+            from attnmt.interop.onnx import import_onnx
+
+            import_onnx()
+        n = export_huggingface(model, out, weights, force, onnx)
+        extra = ", onnx/, tokenizer.json, generation_config.json" if onnx else ""
         typer.echo(f"{out}: a MarianMTModel of {n:,} parameters (config.json, model.safetensors, "
-                   "source.spm, target.spm, vocab.json)")  # fmt: skip
+                   f"source.spm, target.spm, vocab.json{extra})")  # fmt: skip
         return
     if check is not None:
         check_input(check)

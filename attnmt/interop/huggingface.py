@@ -370,13 +370,15 @@ def write_imported(
 
 
 def export_huggingface(
-    model_dir: Path, out: Path, weights: str = "best", force: bool = False
+    model_dir: Path, out: Path, weights: str = "best", force: bool = False, onnx: bool = False
 ) -> int:
     """Write the MarianMTModel directory `out` (config.json, model.safetensors, source.spm,
     target.spm, vocab.json) for the attnmt model in `model_dir`, which must be a post-norm
     Transformer with Marian's position table and one SentencePiece model (what MarianMTModel
     expresses); returns the parameter count. The ids stay attnmt's: vocab.json maps each piece
-    to its attnmt id, pad 0, the decoder starting from BOS (2), </s> 3."""
+    to its attnmt id, pad 0, the decoder starting from BOS (2), </s> 3. `onnx`: also the ONNX
+    files, tokenizer.json and generation_config.json that Optimum and transformers.js load
+    (interop.hf_onnx)."""
     from safetensors.torch import save_file
 
     from attnmt.models.directory import load_model_dir
@@ -413,7 +415,7 @@ def export_huggingface(
         "decoder_start_token_id": BOS_ID, "forced_eos_token_id": EOS_ID,
         "bad_words_ids": [[PAD_ID], [BOS_ID]], "num_beams": cfg.decode.beam,
         "max_length": positions - 2, "dropout": m.dropout, "attention_dropout": m.attention_dropout,
-        "share_encoder_decoder_embeddings": m.tie_embeddings,
+        "share_encoder_decoder_embeddings": m.tie_embeddings, "is_encoder_decoder": True,
         "tie_word_embeddings": m.tie_embeddings,
     }  # fmt: skip
     vocab = {tokenizer.tgt.sp.id_to_piece(i): i for i in range(V)}
@@ -423,6 +425,10 @@ def export_huggingface(
         (tmp / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
         for name in ("source.spm", "target.spm"):
             (tmp / name).write_bytes(tokenizer.src.proto)
+        if onnx:
+            from attnmt.interop.hf_onnx import write_hf_onnx
+
+            write_hf_onnx(model, tokenizer, tmp, cfg.decode.beam)
     return sum(p.numel() for p in model.parameters())
 
 

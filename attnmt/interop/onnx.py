@@ -56,18 +56,21 @@ def export_onnx(
 
 def check_onnx_export(model_dir: Path, out: Path, quantization: str | None, force: bool) -> None:
     """Refuse, before any work, what the export cannot do."""
-    _import_onnx()
+    import_onnx()
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise AttnmtError(f"--quantization {quantization!r}: expected int8 for --format onnx")
     check_export_path(model_dir, out, force)
 
 
-def write_onnx(model_dir: Path, folder: Path, weights: str, quantization: str | None) -> None:
-    """The graphs, the tokenizer files and the manifest, into `folder`."""
+def write_onnx(
+    model_dir: Path, folder: Path, weights: str, quantization: str | None, spm: bool = True
+) -> None:
+    """The graphs, the tokenizer files (`spm`: the SentencePiece models too, beside their
+    JSON form) and the manifest, into `folder`."""
     cfg, tokenizer, net = load_model_dir(model_dir, weights, "cpu")
     graphs = model_graphs(net)
     write_graphs(graphs, folder, quantization)
-    for name, data in tokenizer.files().items():
+    for name, data in tokenizer.files().items() if spm else ():
         (folder / name).write_bytes(data)
     pieces = tokenizer_json(tokenizer.src.proto, tokenizer.src.reserved)
     (folder / "tokenizer.json").write_text(json.dumps(pieces, ensure_ascii=False))
@@ -241,7 +244,7 @@ class _quiet:
         self._warnings.__exit__(*exc)
 
 
-def _import_onnx() -> None:
+def import_onnx() -> None:
     try:
         import onnx  # noqa: F401
         import onnxruntime  # noqa: F401

@@ -39,7 +39,7 @@ def export_web(
         for path in found:
             shutil.copyfile(path, tmp / "runtime" / path.name)
         (tmp / "model").mkdir()
-        write_onnx(model_dir, tmp / "model", weights, quantization)
+        write_onnx(model_dir, tmp / "model", weights, quantization, spm=False)
     return sorted(p.name for p in out.iterdir())
 
 

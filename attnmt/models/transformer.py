@@ -373,15 +373,21 @@ class TransformerSeq2Seq(Seq2Seq):
     # --- the seq2seq interface ---
 
     def encode(self, src: torch.Tensor, src_pad_mask: torch.Tensor) -> TransformerMemory:
+        x, mask = self.encode_hidden(src, src_pad_mask)  # (B, S, d), (B, 1, 1, S)
+        # Decoding needs the encoder output only as these keys and values.
+        cross = [layer.cross_attn.project_kv(x, x) for layer in self.decoder_layers]
+        return TransformerMemory(mask, cross)
+
+    def encode_hidden(
+        self, src: torch.Tensor, src_pad_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The encoder stack's output (B, S, d) and the additive source mask (B, 1, 1, S)."""
         x = self.src_embed(src)  # (B, S, d)
         mask = additive_mask(src_pad_mask, None, x.dtype)  # (B, 1, 1, S)
         assert mask is not None
         for layer in self.encoder_layers:
             x = layer(x, mask)
-        x = self.enc_norm(x)
-        # Decoding needs the encoder output only as these keys and values.
-        cross = [layer.cross_attn.project_kv(x, x) for layer in self.decoder_layers]
-        return TransformerMemory(mask, cross)
+        return self.enc_norm(x), mask
 
     def decode_hidden(
         self, memory: TransformerMemory, tgt_in: torch.Tensor, need_weights: bool = False

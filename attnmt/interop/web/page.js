@@ -6,6 +6,8 @@
   const $ = (id) => document.getElementById(id);
   const params = new URLSearchParams(location.search);
   ort.env.wasm.wasmPaths = new URL("runtime/", location.href).href;
+  // ?threads=N: onnxruntime-web's threads (used where the page is cross-origin isolated).
+  if (params.has("threads")) ort.env.wasm.numThreads = parseInt(params.get("threads"), 10) || 1;
   let model;
   try {
     model = await AttnmtSearch.load("model/");
