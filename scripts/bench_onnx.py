@@ -141,13 +141,17 @@ def page_runs(
     driver = webdriver.Chrome(
         options=options, service=webdriver.ChromeService(shutil.which("chromedriver"))
     )
-    url = f"http://127.0.0.1:{server.server_address[1]}/index.html?threads={threads}&q={urllib.parse.quote(chr(10).join(src))}"
+    base = f"http://127.0.0.1:{server.server_address[1]}/index.html"
+    text = urllib.parse.quote("\n".join(src))  # in the fragment: a server takes 64 kB URLs
     times, hyps = [], []
     try:
         for i in range(runs + 1):
-            driver.get(url)
+            driver.get(f"{base}?run={i}#threads={threads}&q={text}")  # a new page each run
             WebDriverWait(driver, 1800).until(
-                lambda d: d.execute_script("return document.body.dataset.ready")
+                lambda d: (
+                    d.execute_script("return document.body.dataset.ready")
+                    or d.find_element(By.ID, "error").text
+                )
             )
             error = driver.find_element(By.ID, "error").text
             if error:

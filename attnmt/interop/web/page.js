@@ -4,7 +4,10 @@
 (async function () {
   "use strict";
   const $ = (id) => document.getElementById(id);
+  // ?q=TEXT, or #q=TEXT for a text longer than a server takes in a URL (the fragment stays
+  // in the browser).
   const params = new URLSearchParams(location.search);
+  for (const [key, value] of new URLSearchParams(location.hash.slice(1))) params.set(key, value);
   ort.env.wasm.wasmPaths = new URL("runtime/", location.href).href;
   // ?threads=N: onnxruntime-web's threads (used where the page is cross-origin isolated).
   if (params.has("threads")) ort.env.wasm.numThreads = parseInt(params.get("threads"), 10) || 1;
