@@ -24,8 +24,9 @@ import torch
 
 from attnmt.config import Config
 from attnmt.data.files import atomic_directory, check_export_path
-from attnmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, language_tag
+from attnmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, language_tag
 from attnmt.decoding.search import never_output, search_options
+from attnmt.decoding.shortlist import SHORTLIST_FILE, load_shortlist
 from attnmt.decoding.translator import Translator
 from attnmt.errors import AttnmtError
 from attnmt.interop.agreement import Agreement, check_lines
@@ -33,8 +34,10 @@ from attnmt.interop.onnx_graphs import MAX_POSITIONS, Graphs, model_graphs
 from attnmt.interop.tokenizer_json import tokenizer_json
 from attnmt.models.directory import load_model_dir
 from attnmt.models.seq2seq import Seq2Seq
+from attnmt.models.transformer import TransformerSeq2Seq
 
 MANIFEST = "attnmt-onnx.json"
+SHORTLIST_BIN = "shortlist.bin"  # int32 (source vocabulary, k), -1 padding: decoding.shortlist
 QUANTIZATIONS = ("int8",)
 OPSET = 18
 
@@ -68,7 +71,11 @@ def write_onnx(
     """The graphs, the tokenizer files (`spm`: the SentencePiece models too, beside their
     JSON form) and the manifest, into `folder`."""
     cfg, tokenizer, net = load_model_dir(model_dir, weights, "cpu")
-    graphs = model_graphs(net)
+    shortlist = None
+    if (model_dir / SHORTLIST_FILE).is_file() and isinstance(net, TransformerSeq2Seq):
+        shortlist = load_shortlist(model_dir, tokenizer)
+        (folder / SHORTLIST_BIN).write_bytes(shortlist.table.to(torch.int32).numpy().tobytes())
+    graphs = model_graphs(net, shortlist is not None)
     write_graphs(graphs, folder, quantization)
     for name, data in tokenizer.files().items() if spm else ():
         (folder / name).write_bytes(data)
@@ -78,6 +85,11 @@ def write_onnx(
         tgt = tokenizer_json(tokenizer.tgt.proto, tokenizer.tgt.reserved)
         (folder / "tokenizer.tgt.json").write_text(json.dumps(tgt, ensure_ascii=False))
     info = manifest(cfg, tokenizer, net, graphs, quantization)
+    if shortlist is not None:
+        info["shortlist"] = {
+            "file": SHORTLIST_BIN, "k": shortlist.table.size(1),
+            "frequent": shortlist.frequent.tolist(), "always": [EOS_ID, UNK_ID],
+        }  # fmt: skip
     (folder / MANIFEST).write_text(json.dumps(info, indent=2) + "\n")
 
 
@@ -101,6 +113,7 @@ def manifest(
         "memory": graphs.memory,
         "state": [{"name": s.name, "init": s.init, "shape": list(s.shape)} for s in graphs.state],
         "max_positions": MAX_POSITIONS if graphs.position else None,
+        "shortlist": None,
         "ids": {
             "pad": PAD_ID,
             "bos": BOS_ID,
@@ -134,7 +147,8 @@ def encoder_outputs(graphs: Graphs) -> list[str]:
 
 def decoder_inputs(graphs: Graphs) -> list[str]:
     position = ["position"] if graphs.position else []
-    return ["tokens", *position, *graphs.memory, *(s.name for s in graphs.state)]
+    rows = ["rows"] if graphs.shortlist else []
+    return ["tokens", *position, *rows, *graphs.memory, *(s.name for s in graphs.state)]
 
 
 def decoder_outputs(graphs: Graphs) -> list[str]:
@@ -142,40 +156,21 @@ def decoder_outputs(graphs: Graphs) -> list[str]:
 
 
 def write_graphs(graphs: Graphs, folder: Path, quantization: str | None) -> None:
-    """encoder.onnx and decoder.onnx traced on a small example with batch, source length and
-    decoded positions dynamic (int8: quantized after the export)."""
+    """encoder.onnx and decoder.onnx traced on a small example with batch, source length,
+    decoded positions (and shortlist size) dynamic (int8: quantized after the export)."""
     B, S, t = 2, 5, 3  # not 0 or 1: torch.export would fix such sizes as constants
     src = torch.full((B, S), 4, dtype=torch.long)
-    batch, src_len, cache = (torch.export.Dim(n) for n in ("batch", "src_len", "cache"))
+    dims = {n: torch.export.Dim(n) for n in ("batch", "src_len", "cache", "outputs")}
+    outputs = encoder_outputs(graphs)
     with torch.no_grad():
-        encoded = dict(zip(encoder_outputs(graphs), graphs.encoder(src), strict=True))
-    _export(
-        graphs.encoder,
-        (src,),
-        ({0: batch, 1: src_len},),
-        ["src"],
-        encoder_outputs(graphs),
-        folder / "encoder.onnx",
-    )
-    inputs: dict[str, torch.Tensor] = {
-        "tokens": torch.full((B,), 4),
-        "position": torch.full((B,), t),
-    }
-    shapes: dict[str, dict[int, Any]] = {"tokens": {0: batch}, "position": {0: batch}}
-    for name in graphs.memory:
-        inputs[name] = encoded[name]
-        shapes[name] = {0: batch, encoded[name].dim() - 2 if name != "pad_mask" else 1: src_len}
-        if name == "src_mask":
-            shapes[name] = {0: batch, 3: src_len}
-    for s in graphs.state:
-        if s.init == "encoder":
-            inputs[s.name], shapes[s.name] = encoded[s.name], {0: batch}
-        else:
-            inputs[s.name] = torch.zeros(B, *(d or t for d in s.shape))
-            shapes[s.name] = {0: batch, **({1 + s.shape.index(0): cache} if 0 in s.shape else {})}
+        encoded = dict(zip(outputs, graphs.encoder(src), strict=True))
+    shape = ({0: dims["batch"], 1: dims["src_len"]},)
+    _export(graphs.encoder, (src,), shape, ["src"], outputs, folder / "encoder.onnx")
+    inputs, shapes = decoder_examples(graphs, encoded, B, t, dims)
     names = decoder_inputs(graphs)
     args = tuple(inputs[n] for n in names)
-    fixed = 3 if graphs.position else 0  # tokens, position, src_mask; then *tensors
+    # tokens, position, (rows,) src_mask, then *tensors
+    fixed = (4 if graphs.shortlist else 3) if graphs.position else 0
     dyn: tuple[Any, ...] = tuple(shapes[n] for n in names)
     if fixed:
         dyn = (*dyn[:fixed], dyn[fixed:])
@@ -183,6 +178,30 @@ def write_graphs(graphs: Graphs, folder: Path, quantization: str | None) -> None
     if quantization == "int8":
         for name in ("encoder.onnx", "decoder.onnx"):
             quantize_int8(folder / name)
+
+
+def decoder_examples(
+    graphs: Graphs, encoded: dict[str, torch.Tensor], B: int, t: int, dims: dict[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[int, Any]]]:
+    """The decoder's example inputs (t positions decoded) and their dynamic axes, by name."""
+    batch, src_len, cache = dims["batch"], dims["src_len"], dims["cache"]
+    inputs = {
+        "tokens": torch.full((B,), 4),
+        "position": torch.full((B,), t),
+        "rows": torch.arange(7),
+    }
+    shapes = {"tokens": {0: batch}, "position": {0: batch}, "rows": {0: dims["outputs"]}}
+    for name in graphs.memory:
+        inputs[name] = encoded[name]
+        axis = {"src_mask": 3, "pad_mask": 1}.get(name, encoded[name].dim() - 2)
+        shapes[name] = {0: batch, axis: src_len}
+    for s in graphs.state:
+        if s.init == "encoder":
+            inputs[s.name], shapes[s.name] = encoded[s.name], {0: batch}
+        else:
+            inputs[s.name] = torch.zeros(B, *(d or t for d in s.shape))
+            shapes[s.name] = {0: batch, **({1 + s.shape.index(0): cache} if 0 in s.shape else {})}
+    return inputs, shapes
 
 
 def _export(
@@ -269,6 +288,16 @@ class OnnxModel:
         cpu = ["CPUExecutionProvider"]
         self.encoder = ort.InferenceSession(str(folder / "encoder.onnx"), opts, providers=cpu)
         self.decoder = ort.InferenceSession(str(folder / "decoder.onnx"), opts, providers=cpu)
+        self.shortlist = self.info["shortlist"]
+        if self.shortlist is not None:
+            table = np.fromfile(folder / self.shortlist["file"], dtype="<i4")
+            self.table = table.reshape(-1, self.shortlist["k"])  # (V_src, k)
+
+    def rows(self, src: np.ndarray) -> np.ndarray:
+        """The sorted target ids a batch (B, S) may output (decoding.shortlist.allowed)."""
+        more = [*self.shortlist["frequent"], *self.shortlist["always"]]
+        union = np.concatenate([self.table[src.reshape(-1)].reshape(-1), np.array(more)])
+        return np.unique(union[union >= 0]).astype(np.int64)
 
     def limit(self, src_len: int) -> int:
         """attnmt's output limit (decoding.search.output_limit) from the manifest."""
@@ -293,16 +322,22 @@ class OnnxModel:
             for s in info["state"]
         ]
         limits = np.array([self.limit(len(s)) for s in src])
+        ids_of = self.rows(tokens) if self.shortlist is not None else None  # output column -> id
+        banned = list(ids["never_output"])
+        if ids_of is not None:  # the banned ids' columns among the shortlist's
+            banned = [int(c) for c in np.nonzero(np.isin(ids_of, banned))[0]]
         rows = np.arange(len(src))  # the sentence of each row still searched
         prev = np.full(len(src), ids["bos"], dtype=np.int64)
         out: list[list[int]] = [[] for _ in src]
         names = info["decoder"]["inputs"]
         for step in range(int(limits.max())):
             position = [np.full(len(rows), step, dtype=np.int64)] if info["max_positions"] else []
-            feed = dict(zip(names, [prev, *position, *memory, *state], strict=True))
+            given = [ids_of] if ids_of is not None else []
+            feed = dict(zip(names, [prev, *position, *given, *memory, *state], strict=True))
             logp, *state = self.decoder.run(None, feed)
-            logp[:, ids["never_output"]] = -np.inf
+            logp[:, banned] = -np.inf
             prev = logp.argmax(axis=1)
+            prev = ids_of[prev] if ids_of is not None else prev
             done = (prev == ids["eos"]) | (step + 1 >= limits[rows])
             for r, token in zip(rows, prev, strict=True):
                 if token != ids["eos"]:
@@ -320,13 +355,17 @@ def check_agreement(
     out: Path, model_dir: Path, weights: str, lines: list[str], source: str
 ) -> list[Agreement]:
     """Greedy output of the export (onnxruntime) against attnmt's, sentence by sentence (a
-    multilingual model into each of its target languages)."""
-    ours = Translator.load(model_dir, "cpu", weights, "fp32", workers=1)
-    langs: list[str | None] = list(ours.target_langs) if ours.cfg.data.multilingual else [None]
+    multilingual model into each of its target languages; with its shortlist if it has one)."""
     theirs = OnnxModel(out)
+    short = theirs.shortlist is not None
+    ours = Translator.load(model_dir, "cpu", weights, "fp32", workers=1, shortlist=short)
+    langs: list[str | None] = list(ours.target_langs) if ours.cfg.data.multilingual else [None]
     found = []
     for lang in langs:
-        want = ours.translate(lines, beam=1, target_lang=lang)
+        if short:  # a shortlist is a batch's: each sentence alone on both sides
+            want = [ours.translate([line], beam=1, target_lang=lang)[0] for line in lines]
+        else:
+            want = ours.translate(lines, beam=1, target_lang=lang)
         prefix = ours.source_prefix(lang)
         src = [[*prefix, *ids, EOS_ID] for ids in ours.tokenizer.src.encode(lines)]
         got = [theirs.greedy([s])[0] for s in src]

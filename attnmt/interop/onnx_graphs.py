@@ -2,7 +2,8 @@
 state is explicit input and output.
 
     encoder:  src (B, S) int64                      -> memory tensors, initial state tensors
-    decoder:  tokens (N,), [position (N,)], memory, state -> log_probs (N, V), new state
+    decoder:  tokens (N,), [position (N,)], [rows (V',)], memory, state
+              -> log_probs (N, V) (or (N, V') over the shortlist's rows), new state
 
 Every memory and state tensor has its batch on axis 0, so a runtime keeps, drops, repeats or
 reorders rows (beams) with one gather on that axis and needs no knowledge of the architecture.
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from attnmt.data.tokenizer import PAD_ID
@@ -56,19 +58,21 @@ class Graphs:
     memory: list[str]  # encoder outputs that every decoder step reads
     state: list[StateSpec]
     position: bool  # the decoder takes each row's target position (a Transformer)
+    shortlist: bool = False  # the decoder takes the target ids it may output (rows)
 
 
-def model_graphs(model: Seq2Seq) -> Graphs:
+def model_graphs(model: Seq2Seq, shortlist: bool = False) -> Graphs:
     """The encoder and decoder-step graphs of a Transformer (pre- or post-norm, attention or
-    SSRU decoder, sinusoid or rotary positions) or of the GRU model."""
+    SSRU decoder, sinusoid or rotary positions; `shortlist`: its decoder over given output
+    ids) or of the GRU model."""
     if isinstance(model, TransformerSeq2Seq):
-        return _transformer_graphs(model)
+        return _transformer_graphs(model, shortlist)
     if isinstance(model, RNNSeq2Seq):
         return _rnn_graphs(model)
     raise TypeError(f"no ONNX graphs for {type(model).__name__}")
 
 
-def _transformer_graphs(net: TransformerSeq2Seq) -> Graphs:
+def _transformer_graphs(net: TransformerSeq2Seq, shortlist: bool) -> Graphs:
     memory = ["src_mask"]
     state: list[StateSpec] = []
     for i, layer in enumerate(net.decoder_layers):
@@ -82,7 +86,8 @@ def _transformer_graphs(net: TransformerSeq2Seq) -> Graphs:
                 StateSpec(f"self_k_{i}", "empty", shape),
                 StateSpec(f"self_v_{i}", "empty", shape),
             ]
-    return Graphs(TransformerEncoder(net), TransformerDecoderStep(net), memory, state, True)
+    step = ShortlistDecoderStep(net) if shortlist else TransformerDecoderStep(net)
+    return Graphs(TransformerEncoder(net), step, memory, state, True, shortlist)
 
 
 class TransformerEncoder(nn.Module):
@@ -111,6 +116,14 @@ class TransformerDecoderStep(nn.Module):
     ) -> tuple[torch.Tensor, ...]:
         """tokens (N,), position (N,) -> log_probs (N, V) and the grown state. `tensors`: per
         layer cross keys, values (N, h, S, d_h), then the state in StateSpec order."""
+        h, new = self.hidden(tokens, position, src_mask, tensors)
+        logits = self.net.output(h)  # (N, V)
+        return (torch.log_softmax(logits.float(), dim=-1), *new)
+
+    def hidden(
+        self, tokens: torch.Tensor, position: torch.Tensor, src_mask: torch.Tensor, tensors: tuple
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The decoder stack's output (N, d) for the new tokens, and the grown state."""
         layers = self.net.decoder_layers
         cross = [(tensors[2 * i], tensors[2 * i + 1]) for i in range(len(layers))]
         rest = list(tensors[2 * len(layers) :])
@@ -127,7 +140,26 @@ class TransformerDecoderStep(nn.Module):
                 cache = LayerCache(rest.pop(0), rest.pop(0))
             x, cache, _ = layer.step(x, cache, k, v, src_mask, position=position)
             new += [cache.c] if isinstance(cache, RecurrentCache) else [cache.self_k, cache.self_v]
-        logits = self.net.output(self.net.dec_norm(x)).squeeze(1)  # (N, V)
+        return self.net.dec_norm(x).squeeze(1), new
+
+
+class ShortlistDecoderStep(TransformerDecoderStep):
+    """The decoder step over a lexical shortlist: the output layer and its softmax only over
+    the target ids `rows` (decoding.shortlist; a runtime chooses them per batch)."""
+
+    def forward(  # type: ignore[override]
+        self,
+        tokens: torch.Tensor,
+        position: torch.Tensor,
+        rows: torch.Tensor,
+        src_mask: torch.Tensor,
+        *tensors: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        """As TransformerDecoderStep, with rows (V',): log_probs (N, V') over those ids."""
+        h, new = self.hidden(tokens, position, src_mask, tensors)
+        out = self.net.output
+        bias = None if out.bias is None else out.bias.index_select(0, rows)
+        logits = F.linear(h, out.weight.index_select(0, rows), bias)  # (N, V')
         return (torch.log_softmax(logits.float(), dim=-1), *new)
 
 

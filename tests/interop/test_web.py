@@ -43,7 +43,7 @@ def test_the_javascript_tokenizer_segments_as_sentencepiece(tmp_path: Path, corp
     )  # fmt: skip
     vocab = SubwordVocab((tmp_path / "m.model").read_bytes())
     lines = corpus["dev_src"].read_text().splitlines()
-    lines += ["  zwei   Hunde! ", "Ünïcödé ½ ﬁ", "日本語 😀 qx", "", "x <2en> y"]
+    lines += ["  zwei   Hunde! ", "Ünïcödé ½ ﬁ", "日本語 😀 qx", "", "x <2en> y", "😀 am Anfang"]
     spec = tmp_path / "tokenizer.json"
     spec.write_text(json.dumps(tokenizer_json(vocab.proto, vocab.reserved), ensure_ascii=False))
     script = (
@@ -110,7 +110,8 @@ def page_output(browser, url: str) -> str:
         )
     )
     assert browser.find_element(By.ID, "error").text == ""
-    return browser.find_element(By.ID, "output").text
+    # The text as it is (the driver's .text trims spaces at the ends of lines).
+    return browser.execute_script("return document.getElementById('output').textContent")
 
 
 @pytest.mark.skipif(not HAS_RUNTIME, reason=NO_RUNTIME)
@@ -194,3 +195,31 @@ def test_a_multilingual_page_translates_into_the_chosen_language(tmp_path: Path,
             got = page_output(browser, f"{base}/index.html?q={q}&lang={lang}")
             assert got.split("\n") == ours.translate(lines, beam=1, target_lang=lang)
             assert browser.find_element(By.ID, "lang").get_attribute("value") == lang
+
+
+@pytest.mark.skipif(not HAS_RUNTIME, reason=NO_RUNTIME)
+def test_a_student_with_a_shortlist_translates_over_it(tmp_path: Path, trained, browser, run_cli):
+    model, corpus = trained
+    student = tmp_path / "student"
+    shutil.copytree(model, student)
+    assert run_cli("shortlist", "-m", str(student), "--k", "2", "--frequent", "1").code == 0
+    result = run_cli("export", str(student), str(tmp_path / "web"), "--format", "web")
+    assert result.code == 0, result.stderr
+    assert "20/20 identical" in result.stdout  # onnxruntime over the shortlist, as attnmt's
+    info = json.loads((tmp_path / "web" / "model" / "attnmt-onnx.json").read_text())
+    assert info["shortlist"]["k"] == 2 and "rows" in info["decoder"]["inputs"]
+    ours = Translator.load(student, shortlist=True)
+    plain = Translator.load(student, shortlist=False)
+    lines = corpus["dev_src"].read_text().splitlines()[:6]
+    differs = 0
+    with static_server(tmp_path / "web") as base:
+        for line in lines:  # a shortlist is a batch's: a line at a time on both sides
+            q = urllib.parse.quote(line)
+            assert (
+                page_output(browser, f"{base}/index.html?q={q}")
+                == ours.translate([line], beam=1)[0]
+            )
+            beam = page_output(browser, f"{base}/index.html?q={q}&beam=3")
+            assert beam == ours.translate([line], beam=3)[0]
+            differs += beam != plain.translate([line], beam=3)[0]
+    assert differs  # the shortlist changed some output: it was applied

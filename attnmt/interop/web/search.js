@@ -10,7 +10,7 @@
   }
 
   // The rows `index` of tensor t (batch on axis 0), in that order.
-  function rows(t, index) {
+  function takeRows(t, index) {
     const width = size(t.dims.slice(1));
     const out = new t.data.constructor(index.length * width);
     index.forEach((r, i) => out.set(t.data.subarray(r * width, (r + 1) * width), i * width));
@@ -22,8 +22,8 @@
   }
 
   class Model {
-    constructor(info, src, tgt, encoder, decoder) {
-      Object.assign(this, { info, src, tgt, encoder, decoder });
+    constructor(info, src, tgt, encoder, decoder, table) {
+      Object.assign(this, { info, src, tgt, encoder, decoder, table });
       this.ids = info.ids;
     }
 
@@ -36,7 +36,23 @@
       const options = { executionProviders: ["wasm"], graphOptimizationLevel: "all" };
       const encoder = await ort.InferenceSession.create(base + "encoder.onnx", options);
       const decoder = await ort.InferenceSession.create(base + "decoder.onnx", options);
-      return new Model(info, src, tgt, encoder, decoder);
+      let table = null; // the lexical shortlist: each source id's k likeliest target ids
+      if (info.shortlist) table = new Int32Array(await (await fetch(base + info.shortlist.file)).arrayBuffer());
+      return new Model(info, src, tgt, encoder, decoder, table);
+    }
+
+    // The sorted target ids a batch of sentences may output (decoding/shortlist.py), or null:
+    // the whole vocabulary.
+    outputs(sources) {
+      if (!this.table) return null;
+      const { k, frequent, always } = this.info.shortlist;
+      const found = new Set([...frequent, ...always]);
+      for (const s of sources) {
+        for (const id of s) {
+          for (const t of this.table.subarray(id * k, (id + 1) * k)) if (t >= 0) found.add(t);
+        }
+      }
+      return Int32Array.from(found).sort();
     }
 
     // attnmt's output limit: a × source subwords (EOS included) + b, rounded as configured.
@@ -68,20 +84,22 @@
       return { memory, state };
     }
 
-    // One decoder step: next-token log-probabilities (n × V, the never-output ids -inf).
-    async step(prev, step, memory, state) {
+    // One decoder step: next-token log-probabilities (n × V, or n × V' over the shortlist's
+    // ids `rows`; the never-output ids -inf).
+    async step(prev, step, memory, state, rows = null) {
       const n = prev.length;
-      const values = [int64(prev, [n])];
-      if (this.info.max_positions) values.push(int64(Array(n).fill(step), [n]));
-      const feed = {};
-      this.info.decoder.inputs.forEach((name, i) => {
-        feed[name] = i < values.length ? values[i] : [...memory, ...state][i - values.length];
-      });
+      const feed = { tokens: int64(prev, [n]) };
+      if (this.info.max_positions) feed.position = int64(Array(n).fill(step), [n]);
+      if (rows) feed.rows = int64(rows, [rows.length]);
+      this.info.memory.forEach((name, i) => (feed[name] = memory[i]));
+      this.info.state.forEach((s, i) => (feed[s.name] = state[i]));
       const out = await this.decoder.run(feed);
       const [logpName, ...stateNames] = this.info.decoder.outputs;
       const logp = out[logpName].data;
       const V = logp.length / n;
-      for (let r = 0; r < n; r++) for (const id of this.ids.never_output) logp[r * V + id] = -Infinity;
+      const never = this.ids.never_output;
+      const banned = rows ? never.map((id) => rows.indexOf(id)).filter((c) => c >= 0) : never;
+      for (let r = 0; r < n; r++) for (const c of banned) logp[r * V + c] = -Infinity;
       return { logp, V, state: stateNames.map((name) => out[name]) };
     }
 
@@ -92,19 +110,21 @@
       const out = sources.map(() => []);
       let active = sources.map((_, i) => i);
       let prev = sources.map(() => this.ids.bos);
+      const rows = this.outputs(sources);
       for (let step = 0; active.length; step++) {
-        const next = await this.step(prev, step, memory, state);
+        const next = await this.step(prev, step, memory, state, rows);
         const keep = [];
         prev = [];
         active.forEach((sent, r) => {
           let best = 0;
           for (let v = 1; v < next.V; v++) if (next.logp[r * next.V + v] > next.logp[r * next.V + best]) best = v;
+          if (rows) best = rows[best];
           if (best !== this.ids.eos) out[sent].push(best);
           if (best !== this.ids.eos && step + 1 < limits[sent]) keep.push(r), prev.push(best);
         });
         active = keep.map((r) => active[r]);
-        memory = memory.map((t) => rows(t, keep));
-        state = next.state.map((t) => rows(t, keep));
+        memory = memory.map((t) => takeRows(t, keep));
+        state = next.state.map((t) => takeRows(t, keep));
       }
       return out;
     }
@@ -113,8 +133,8 @@
     async beam(source, K) {
       const enc = await this.encode([source]);
       const zeros = Array(K).fill(0);
-      let memory = enc.memory.map((t) => rows(t, zeros));
-      let state = enc.state.map((t) => rows(t, zeros));
+      let memory = enc.memory.map((t) => takeRows(t, zeros));
+      let state = enc.state.map((t) => takeRows(t, zeros));
       const limit = this.limit(source.length);
       const alpha = this.info.length_penalty;
       const penalty = (length) => Math.pow((5 + length) / 6, alpha);
@@ -122,9 +142,11 @@
       let tokens = zeros.map(() => []);
       let prev = zeros.map(() => this.ids.bos);
       const finished = [];
+      const rows = this.outputs([source]);
       for (let step = 0; ; step++) {
-        const next = await this.step(prev, step, memory, state);
+        const next = await this.step(prev, step, memory, state, rows);
         const cands = best(scores, next.logp, next.V, 2 * K);
+        if (rows) for (const c of cands) c.token = rows[c.token];
         const length = step + 1;
         cands.slice(0, K).forEach((c) => {
           if (c.token === this.ids.eos && c.score > -Infinity) {
@@ -143,7 +165,7 @@
           return finished.reduce((a, b) => (b.score > a.score ? b : a)).tokens;
         }
         const beams = pick.map((c) => c.beam);
-        state = next.state.map((t) => rows(t, beams));
+        state = next.state.map((t) => takeRows(t, beams));
         prev = pick.map((c) => c.token);
       }
     }

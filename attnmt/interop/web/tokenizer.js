@@ -118,13 +118,15 @@
 
     decode(ids) {
       let text = "";
+      let dummy = null; // whether the first piece starts with the space the encoder added
       for (const id of ids) {
         const [piece, , kind] = this.spec.pieces[id];
         if (kind === "control") continue;
+        if (dummy === null) dummy = kind !== "unknown" && piece.startsWith(SPACE);
         text += kind === "unknown" ? UNK_SURFACE : piece;
       }
       text = text.split(SPACE).join(" ");
-      return this.spec.add_dummy_prefix && text.startsWith(" ") ? text.slice(1) : text;
+      return this.spec.add_dummy_prefix && dummy ? text.slice(1) : text;
     }
   }
 
