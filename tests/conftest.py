@@ -1,8 +1,10 @@
-"""Shared fixtures: a tiny synthetic parallel corpus, a tiny config, an in-process CLI runner."""
+"""Shared fixtures: a tiny synthetic parallel corpus, a tiny config, an in-process CLI runner,
+a headless Chromium for the pages' tests."""
 
 from __future__ import annotations
 
 import random
+import shutil
 import signal
 import sys
 from dataclasses import dataclass
@@ -131,3 +133,21 @@ def run_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str])
         return CliResult(code, captured.out, captured.err)
 
     return run
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's chromium driven by selenium, headless (skipped, with the reason, without it)."""
+    chromium, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
+    if chromium is None or driver_path is None:
+        pytest.skip("no Chromium here: apt-get install chromium chromium-driver (as .ci/run does)")
+    from selenium import webdriver
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
+                "--window-size=1000,900"):  # fmt: skip
+        options.add_argument(arg)
+    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(driver_path))
+    yield driver
+    driver.quit()

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from attnmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
-from attnmt.interop.onnx import _export, quantize_int8
+from attnmt.interop.onnx import export_graph, quantize_int8
 from attnmt.interop.onnx_graphs import MAX_POSITIONS
 from attnmt.models.attention import additive_mask
 from attnmt.models.transformer import LayerCache, TransformerSeq2Seq, sinusoid_table
@@ -87,7 +87,7 @@ def write_hf_onnx(net: TransformerSeq2Seq, tokenizer: Tokenizer, folder: Path, b
     names = ("batch_size", "encoder_sequence_length", "past_decoder_sequence_length")
     batch, src_len, cache = (torch.export.Dim(n) for n in names)
     ids, mask = torch.full((B, S), 4, dtype=torch.long), torch.ones(B, S, dtype=torch.long)
-    _export(HFEncoder(net), (ids, mask), ({0: batch, 1: src_len}, {0: batch, 1: src_len}),
+    export_graph(HFEncoder(net), (ids, mask), ({0: batch, 1: src_len}, {0: batch, 1: src_len}),
             ["input_ids", "attention_mask"], ["last_hidden_state"],
             onnx_dir / "encoder_model.onnx")  # fmt: skip
     with torch.no_grad():
@@ -103,7 +103,7 @@ def write_hf_onnx(net: TransformerSeq2Seq, tokenizer: Tokenizer, folder: Path, b
         {0: batch}, {0: batch, 1: src_len}, {0: batch, 1: src_len},
         tuple({0: batch, 2: cache} for _ in past),
     )  # fmt: skip
-    _export(HFDecoder(net), (ids[:, :1], mask, hidden, *past), shapes,
+    export_graph(HFDecoder(net), (ids[:, :1], mask, hidden, *past), shapes,
             ["input_ids", "encoder_attention_mask", "encoder_hidden_states", *names],
             ["logits", *(n.replace("past_key_values", "present") for n in names)],
             onnx_dir / "decoder_model_merged.onnx")  # fmt: skip

@@ -13,7 +13,6 @@ quantized at run time (MatMulInteger), the same scheme as attnmt's own int8.
 from __future__ import annotations
 
 import json
-import math
 import os
 import tempfile
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 from attnmt.config import Config
 from attnmt.data.files import atomic_directory, check_export_path
 from attnmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, language_tag
-from attnmt.decoding.search import never_output, search_options
+from attnmt.decoding.search import SearchOptions, never_output, output_limit, search_options
 from attnmt.decoding.shortlist import SHORTLIST_FILE, load_shortlist
 from attnmt.decoding.translator import Translator
 from attnmt.errors import AttnmtError
@@ -165,7 +164,7 @@ def write_graphs(graphs: Graphs, folder: Path, quantization: str | None) -> None
     with torch.no_grad():
         encoded = dict(zip(outputs, graphs.encoder(src), strict=True))
     shape = ({0: dims["batch"], 1: dims["src_len"]},)
-    _export(graphs.encoder, (src,), shape, ["src"], outputs, folder / "encoder.onnx")
+    export_graph(graphs.encoder, (src,), shape, ["src"], outputs, folder / "encoder.onnx")
     inputs, shapes = decoder_examples(graphs, encoded, B, t, dims)
     names = decoder_inputs(graphs)
     args = tuple(inputs[n] for n in names)
@@ -174,7 +173,7 @@ def write_graphs(graphs: Graphs, folder: Path, quantization: str | None) -> None
     dyn: tuple[Any, ...] = tuple(shapes[n] for n in names)
     if fixed:
         dyn = (*dyn[:fixed], dyn[fixed:])
-    _export(graphs.decoder, args, dyn, names, decoder_outputs(graphs), folder / "decoder.onnx")
+    export_graph(graphs.decoder, args, dyn, names, decoder_outputs(graphs), folder / "decoder.onnx")
     if quantization == "int8":
         for name in ("encoder.onnx", "decoder.onnx"):
             quantize_int8(folder / name)
@@ -204,7 +203,7 @@ def decoder_examples(
     return inputs, shapes
 
 
-def _export(
+def export_graph(
     module: torch.nn.Module,
     args: tuple,
     shapes: tuple,
@@ -212,6 +211,8 @@ def _export(
     outputs: list[str],
     path: Path,
 ) -> None:
+    """module traced on args with dynamic axes `shapes` into the ONNX file `path`, its inputs
+    and outputs named."""
     import onnx
 
     with torch.no_grad(), _quiet():
@@ -288,6 +289,7 @@ class OnnxModel:
         cpu = ["CPUExecutionProvider"]
         self.encoder = ort.InferenceSession(str(folder / "encoder.onnx"), opts, providers=cpu)
         self.decoder = ort.InferenceSession(str(folder / "decoder.onnx"), opts, providers=cpu)
+        self.inputs = self.info["decoder"]["inputs"]
         self.shortlist = self.info["shortlist"]
         if self.shortlist is not None:
             table = np.fromfile(folder / self.shortlist["file"], dtype="<i4")
@@ -302,47 +304,55 @@ class OnnxModel:
     def limit(self, src_len: int) -> int:
         """attnmt's output limit (decoding.search.output_limit) from the manifest."""
         lim = self.info["output_limit"]
-        scaled = round(lim["a"] * src_len, 6)
-        rounded = math.ceil(scaled) if lim["round"] == "ceil" else math.floor(scaled)
-        return max(1, min(rounded + lim["b"], lim["max"]))
+        options = SearchOptions(
+            max_len_a=lim["a"], max_len_b=lim["b"], max_output_len=lim["max"],
+            max_len_round=lim["round"],
+        )  # fmt: skip
+        return output_limit(src_len, options)
 
-    def greedy(self, src: list[list[int]]) -> list[list[int]]:
-        """Source ids (EOS included) -> output ids (without EOS), as attnmt's greedy search."""
-        info, ids = self.info, self.info["ids"]
+    def start(self, src: list[list[int]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Source ids (EOS included) -> the memory tensors and the state before BOS."""
         S = max(map(len, src))
-        tokens = np.array([s + [ids["pad"]] * (S - len(s)) for s in src], dtype=np.int64)
-        encoded = dict(
-            zip(info["encoder"]["outputs"], self.encoder.run(None, {"src": tokens}), strict=True)
-        )
-        memory = [encoded[n] for n in info["memory"]]
+        tokens = np.array([s + [PAD_ID] * (S - len(s)) for s in src], dtype=np.int64)
+        names = self.info["encoder"]["outputs"]
+        encoded = dict(zip(names, self.encoder.run(None, {"src": tokens}), strict=True))
+        memory = [encoded[n] for n in self.info["memory"]]
         state = [
             encoded[s["name"]]
             if s["init"] == "encoder"
             else np.zeros((len(src), *s["shape"]), np.float32)
-            for s in info["state"]
+            for s in self.info["state"]
         ]
+        return memory, state
+
+    def greedy(self, src: list[list[int]]) -> list[list[int]]:
+        """Source ids (EOS included) -> output ids (without EOS), as attnmt's greedy search."""
+        ids = self.info["ids"]
+        memory, state = self.start(src)
         limits = np.array([self.limit(len(s)) for s in src])
-        ids_of = self.rows(tokens) if self.shortlist is not None else None  # output column -> id
+        S = max(map(len, src))
+        padded = np.array([s + [PAD_ID] * (S - len(s)) for s in src])
+        ids_of = self.rows(padded) if self.shortlist is not None else None  # column -> id
         banned = list(ids["never_output"])
         if ids_of is not None:  # the banned ids' columns among the shortlist's
             banned = [int(c) for c in np.nonzero(np.isin(ids_of, banned))[0]]
+        given = [ids_of] if ids_of is not None else []
         rows = np.arange(len(src))  # the sentence of each row still searched
         prev = np.full(len(src), ids["bos"], dtype=np.int64)
         out: list[list[int]] = [[] for _ in src]
-        names = info["decoder"]["inputs"]
         for step in range(int(limits.max())):
-            position = [np.full(len(rows), step, dtype=np.int64)] if info["max_positions"] else []
-            given = [ids_of] if ids_of is not None else []
-            feed = dict(zip(names, [prev, *position, *given, *memory, *state], strict=True))
-            logp, *state = self.decoder.run(None, feed)
+            position = (
+                [np.full(len(rows), step, dtype=np.int64)] if self.info["max_positions"] else []
+            )
+            values = [prev, *position, *given, *memory, *state]
+            logp, *state = self.decoder.run(None, dict(zip(self.inputs, values, strict=True)))
             logp[:, banned] = -np.inf
             prev = logp.argmax(axis=1)
             prev = ids_of[prev] if ids_of is not None else prev
-            done = (prev == ids["eos"]) | (step + 1 >= limits[rows])
             for r, token in zip(rows, prev, strict=True):
                 if token != ids["eos"]:
                     out[r].append(int(token))
-            keep = ~done
+            keep = (prev != ids["eos"]) & (step + 1 < limits[rows])
             if not keep.any():
                 break
             rows, prev = rows[keep], prev[keep]

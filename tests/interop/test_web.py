@@ -27,7 +27,6 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
 NODE = shutil.which("node")
-CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 HAS_RUNTIME = all((RUNTIME / name).is_file() for name in RUNTIME_FILES)
 NO_RUNTIME = "onnxruntime-web is not installed: python scripts/get_web_runtime.py (as .ci/run does)"
 
@@ -80,21 +79,6 @@ def static_server(folder: Path) -> Iterator[str]:
 class QuietHandler(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args) -> None:
         pass
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if CHROMIUM is None or DRIVER is None:
-        pytest.skip("no Chromium here: apt-get install chromium chromium-driver (as .ci/run does)")
-    from selenium import webdriver
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage"):
-        options.add_argument(arg)
-    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(DRIVER))
-    yield driver
-    driver.quit()
 
 
 def page_output(browser, url: str) -> str:

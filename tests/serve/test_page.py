@@ -5,7 +5,6 @@ JSON API returns for it."""
 from __future__ import annotations
 
 import json
-import shutil
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,25 +45,6 @@ def test_the_api_returns_each_layer_and_heads_attention(server, trained, tmp_pat
                                rtol=0)  # fmt: skip
     plain = httpx.post(f"{server}/translate", json={"text": [SENTENCE]}, timeout=60).json()
     assert "attention" not in plain
-
-
-CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if CHROMIUM is None or DRIVER is None:
-        pytest.skip("no Chromium here: apt-get install chromium chromium-driver (as .ci/run does)")
-    from selenium import webdriver
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
-                "--window-size=1000,900"):  # fmt: skip
-        options.add_argument(arg)
-    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(DRIVER))
-    yield driver
-    driver.quit()
 
 
 def translate_on_the_page(browser, url: str, sentence: str) -> None:
