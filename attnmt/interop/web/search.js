@@ -122,9 +122,10 @@
           if (best !== this.ids.eos) out[sent].push(best);
           if (best !== this.ids.eos && step + 1 < limits[sent]) keep.push(r), prev.push(best);
         });
+        const all = keep.length === active.length; // no row left: nothing to copy
         active = keep.map((r) => active[r]);
-        memory = memory.map((t) => takeRows(t, keep));
-        state = next.state.map((t) => takeRows(t, keep));
+        if (!all) memory = memory.map((t) => takeRows(t, keep));
+        state = all ? next.state : next.state.map((t) => takeRows(t, keep));
       }
       return out;
     }
