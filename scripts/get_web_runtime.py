@@ -36,23 +36,39 @@ OUT OF OR IN CONNECTION WITH THE SOFTWARE OR THE USE OR OTHER DEALINGS IN THE SO
 """
 
 
-def dist_folder(source: Path | None, tmp: Path) -> Path:
-    """The package's dist/ folder: unpacked from `source` (a .tgz or a folder) or npm pack."""
-    if source is not None and source.is_dir():
-        return source / "dist" if (source / "dist").is_dir() else source
-    if source is None:
-        if shutil.which("npm") is None:
-            sys.exit("get_web_runtime: npm is not installed; use --from a .tgz or a folder")
-        done = subprocess.run(
-            ["npm", "pack", f"onnxruntime-web@{VERSION}", "--silent"],
-            cwd=tmp, capture_output=True, text=True, check=False,
-        )  # fmt: skip
-        if done.returncode:
-            sys.exit(f"get_web_runtime: npm pack failed: {done.stderr.strip()[-300:]}")
-        source = tmp / done.stdout.strip().splitlines()[-1]
+def npm_pack(tmp: Path) -> Path:
+    """onnxruntime-web's package from the npm registry, as a .tgz in tmp."""
+    if shutil.which("npm") is None:
+        sys.exit("get_web_runtime: npm is not installed; use --from a .tgz or a folder")
+    done = subprocess.run(
+        ["npm", "pack", f"onnxruntime-web@{VERSION}", "--silent"],
+        cwd=tmp, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if done.returncode:
+        sys.exit(f"get_web_runtime: npm pack failed: {done.stderr.strip()[-300:]}")
+    return tmp / done.stdout.strip().splitlines()[-1]
+
+
+def read_files(source: Path) -> dict[str, bytes]:
+    """FILES from a package folder (or its dist/) or from the package's .tgz; only those
+    members are read, by name (nothing else of the archive is unpacked)."""
+    if source.is_dir():
+        dist = source / "dist" if (source / "dist").is_dir() else source
+        missing = [name for name in FILES if not (dist / name).is_file()]
+        if missing:
+            sys.exit(f"get_web_runtime: {dist} lacks {', '.join(missing)}")
+        return {name: (dist / name).read_bytes() for name in FILES}
+    found = {}
     with tarfile.open(source) as tgz:
-        tgz.extractall(tmp, filter="data")
-    return tmp / "package" / "dist"
+        for name in FILES:
+            try:
+                member = tgz.extractfile(f"package/dist/{name}")
+            except KeyError:
+                member = None
+            if member is None:
+                sys.exit(f"get_web_runtime: {source} lacks package/dist/{name}")
+            found[name] = member.read()
+    return found
 
 
 def main() -> None:
@@ -60,15 +76,12 @@ def main() -> None:
     parser.add_argument("--from", dest="source", type=Path, help="a .tgz or a folder")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        dist = dist_folder(args.source, Path(tmp))
-        missing = [name for name in FILES if not (dist / name).is_file()]
-        if missing:
-            sys.exit(f"get_web_runtime: {dist} lacks {', '.join(missing)}")
-        TARGET.mkdir(parents=True, exist_ok=True)
-        for name in FILES:
-            shutil.copyfile(dist / name, TARGET / name)
+        files = read_files(args.source or npm_pack(Path(tmp)))
+    TARGET.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (TARGET / name).write_bytes(data)
     (TARGET / "LICENSE").write_text(LICENSE)
-    size = sum((TARGET / name).stat().st_size for name in FILES)
+    size = sum(map(len, files.values()))
     print(f"{TARGET}: onnxruntime-web {VERSION}, {size / 1e6:.1f} MB")
 
 
