@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from attnmt.data.text import read_lines
+from attnmt.data.tokenizer import EOS_ID
 from attnmt.decoding.translate import score
 from attnmt.decoding.translator import Translator
 from attnmt.interop.onnx import OnnxModel
@@ -82,7 +83,7 @@ def attnmt_greedy(ours: Translator, lines: list[str]) -> list[str]:
 def onnx_greedy(model: OnnxModel, ours: Translator, lines: list[str]) -> list[str]:
     """The page's order: sentences sorted by length, in batches of BATCH."""
     tok = ours.tokenizer
-    src = [[*ids, 3] for ids in tok.src.encode(lines)]
+    src = [[*ids, EOS_ID] for ids in tok.src.encode(lines)]
     order = sorted(range(len(src)), key=lambda i: len(src[i]))
     out = [""] * len(src)
     for at in range(0, len(order), BATCH):

@@ -29,9 +29,9 @@ from torch import nn
 
 from attnmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 from attnmt.interop.onnx import export_graph, quantize_int8
-from attnmt.interop.onnx_graphs import MAX_POSITIONS
+from attnmt.interop.onnx_graphs import MAX_POSITIONS, TransformerDecoderStep
 from attnmt.models.attention import additive_mask
-from attnmt.models.transformer import LayerCache, TransformerSeq2Seq, sinusoid_table
+from attnmt.models.transformer import TransformerSeq2Seq
 
 SPACE = "\u2581"
 
@@ -46,15 +46,11 @@ class HFEncoder(nn.Module):
         return self.net.encode_hidden(input_ids, attention_mask == 0)[0]
 
 
-class HFDecoder(nn.Module):
-    def __init__(self, net: TransformerSeq2Seq) -> None:
-        super().__init__()
-        self.net = net
-        emb = net.tgt_embed
-        table = sinusoid_table(MAX_POSITIONS, emb.embed.embedding_dim, layout=emb.layout)
-        self.register_buffer("pe", table, persistent=False)
+class HFDecoder(TransformerDecoderStep):
+    """interop.onnx_graphs' decoder step under Optimum's names, the cross-attention keys and
+    values projected from encoder_hidden_states."""
 
-    def forward(
+    def forward(  # type: ignore[override]
         self,
         input_ids: torch.Tensor,
         encoder_attention_mask: torch.Tensor,
@@ -62,19 +58,13 @@ class HFDecoder(nn.Module):
         *past: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
         """input_ids (B, 1), the cache per layer (key, value) -> logits (B, 1, V), the cache."""
-        net, h = self.net, encoder_hidden_states
+        h = encoder_hidden_states
         src_mask = additive_mask(encoder_attention_mask == 0, None, h.dtype)  # (B, 1, 1, S)
         tokens = input_ids[:, -1]  # (B,)
-        t = past[0].size(2)  # positions decoded so far
-        position = torch.zeros_like(tokens) + t  # (B,)
-        x = (net.tgt_embed.embed(tokens) * net.tgt_embed.scale + self.pe[position]).unsqueeze(1)
-        present: list[torch.Tensor] = []
-        for i, layer in enumerate(net.decoder_layers):
-            k, v = layer.cross_attn.project_kv(h, h)  # (B, h, S, d_h)
-            cache = LayerCache(past[2 * i], past[2 * i + 1])
-            x, cache, _ = layer.step(x, cache, k, v, src_mask, position=position)
-            present += [cache.self_k, cache.self_v]
-        return (net.output(net.dec_norm(x)), *present)  # (B, 1, V), ...
+        position = torch.zeros_like(tokens) + past[0].size(2)  # (B,): positions decoded so far
+        cross = [t for layer in self.net.decoder_layers for t in layer.cross_attn.project_kv(h, h)]
+        hidden, present = self.hidden(tokens, position, src_mask, (*cross, *past))  # (B, d)
+        return (self.net.output(hidden).unsqueeze(1), *present)  # (B, 1, V), ...
 
 
 def write_hf_onnx(net: TransformerSeq2Seq, tokenizer: Tokenizer, folder: Path, beam: int) -> None:

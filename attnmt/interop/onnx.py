@@ -310,17 +310,15 @@ class OnnxModel:
         )  # fmt: skip
         return output_limit(src_len, options)
 
-    def start(self, src: list[list[int]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Source ids (EOS included) -> the memory tensors and the state before BOS."""
-        S = max(map(len, src))
-        tokens = np.array([s + [PAD_ID] * (S - len(s)) for s in src], dtype=np.int64)
+    def start(self, tokens: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Padded source ids (B, S) -> the memory tensors and the state before BOS."""
         names = self.info["encoder"]["outputs"]
         encoded = dict(zip(names, self.encoder.run(None, {"src": tokens}), strict=True))
         memory = [encoded[n] for n in self.info["memory"]]
         state = [
             encoded[s["name"]]
             if s["init"] == "encoder"
-            else np.zeros((len(src), *s["shape"]), np.float32)
+            else np.zeros((len(tokens), *s["shape"]), np.float32)
             for s in self.info["state"]
         ]
         return memory, state
@@ -328,11 +326,11 @@ class OnnxModel:
     def greedy(self, src: list[list[int]]) -> list[list[int]]:
         """Source ids (EOS included) -> output ids (without EOS), as attnmt's greedy search."""
         ids = self.info["ids"]
-        memory, state = self.start(src)
-        limits = np.array([self.limit(len(s)) for s in src])
         S = max(map(len, src))
-        padded = np.array([s + [PAD_ID] * (S - len(s)) for s in src])
-        ids_of = self.rows(padded) if self.shortlist is not None else None  # column -> id
+        tokens = np.array([s + [PAD_ID] * (S - len(s)) for s in src], dtype=np.int64)
+        memory, state = self.start(tokens)
+        limits = np.array([self.limit(len(s)) for s in src])
+        ids_of = self.rows(tokens) if self.shortlist is not None else None  # column -> id
         banned = list(ids["never_output"])
         if ids_of is not None:  # the banned ids' columns among the shortlist's
             banned = [int(c) for c in np.nonzero(np.isin(ids_of, banned))[0]]
