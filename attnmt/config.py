@@ -281,12 +281,13 @@ class TeacherForcingConfig(_Section):
 
 class AdapterConfig(_Section):
     """train.adapters: fine-tune (train.init_from) LoRA adapters of rank `rank` on the
-    attention projections `targets` names (q, k, v, o; every self- and cross-attention),
-    scaled by alpha / rank; the base model's weights stay as they are (attnmt.models.lora)."""
+    layers `targets` names (q, k, v, o: the projections of every self- and cross-attention;
+    ff1, ff2: every feed-forward block's two layers), scaled by alpha / rank; the base
+    model's weights stay as they are (attnmt.models.lora)."""
 
     rank: int = Field(8, ge=1, le=4096)
     alpha: float = Field(16.0, gt=0.0, le=1e6)
-    targets: list[Literal["q", "k", "v", "o"]] = Field(
+    targets: list[Literal["q", "k", "v", "o", "ff1", "ff2"]] = Field(
         default_factory=lambda: ["q", "k", "v", "o"], min_length=1
     )
 

@@ -5,6 +5,7 @@ already here (--from): python scripts/get_web_runtime.py [--from DIR_OR_TGZ]."""
 from __future__ import annotations
 
 import argparse
+import gzip
 import shutil
 import subprocess
 import sys
@@ -14,7 +15,8 @@ from pathlib import Path
 
 VERSION = "1.30.0"  # tested with attnmt's exports (opset 18)
 TARGET = Path(__file__).resolve().parent.parent / "attnmt" / "interop" / "web" / "runtime"
-FILES = ("ort.wasm.min.js", "ort-wasm-simd-threaded.mjs", "ort-wasm-simd-threaded.wasm")
+WASM = "ort-wasm-simd-threaded.wasm"
+FILES = ("ort.wasm.min.js", "ort-wasm-simd-threaded.mjs", WASM)
 LICENSE = f"""onnxruntime-web {VERSION} (https://www.npmjs.com/package/onnxruntime-web), MIT License
 
 Copyright (c) Microsoft Corporation
@@ -78,11 +80,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         files = read_files(args.source or npm_pack(Path(tmp)))
     TARGET.mkdir(parents=True, exist_ok=True)
+    raw = TARGET / WASM
+    if raw.is_file():  # an older copy kept the module uncompressed
+        raw.unlink()
+    files[WASM + ".gz"] = gzip_bytes(files.pop(WASM))  # the page inflates it
     for name, data in files.items():
         (TARGET / name).write_bytes(data)
     (TARGET / "LICENSE").write_text(LICENSE)
     size = sum(map(len, files.values()))
-    print(f"{TARGET}: onnxruntime-web {VERSION}, {size / 1e6:.1f} MB")
+    print(f"{TARGET}: onnxruntime-web {VERSION}, {size / 1e6:.1f} MB (the module gzipped)")
+
+
+def gzip_bytes(data: bytes) -> bytes:
+    """As attnmt.interop.web.gzip_bytes (this script runs before attnmt is installed)."""
+    return gzip.compress(data, compresslevel=9, mtime=0)
 
 
 if __name__ == "__main__":

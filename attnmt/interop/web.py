@@ -2,11 +2,14 @@
 (interop/web/: tokenizer.js, search.js, page.js), the model as ONNX (model/, interop.onnx) and
 onnxruntime-web's WebAssembly build (runtime/). The runtime is not downloaded at export time:
 it comes from the copy installed beside this module (`python scripts/get_web_runtime.py`
-puts it there, from the npm registry or a folder) or from --runtime DIR.
+puts it there, from the npm registry or a folder) or from --runtime DIR. The WebAssembly module
+is shipped gzipped (14.2 -> 3.7 MB) and the page inflates it (DecompressionStream), so that a
+plain static server needs no compression settings.
 """
 
 from __future__ import annotations
 
+import gzip
 import shutil
 from pathlib import Path
 
@@ -18,7 +21,8 @@ PAGE = Path(__file__).parent / "web"
 PAGE_FILES = ("index.html", "page.js", "search.js", "tokenizer.js")
 RUNTIME = PAGE / "runtime"  # scripts/get_web_runtime.py fills it
 # onnxruntime-web's WebAssembly (CPU) build: the API, the wasm module's loader and the module.
-RUNTIME_FILES = ("ort.wasm.min.js", "ort-wasm-simd-threaded.mjs", "ort-wasm-simd-threaded.wasm")
+WASM = "ort-wasm-simd-threaded.wasm"
+RUNTIME_FILES = ("ort.wasm.min.js", "ort-wasm-simd-threaded.mjs", WASM + ".gz")
 
 
 def export_web(
@@ -36,18 +40,25 @@ def export_web(
         for name in PAGE_FILES:
             shutil.copyfile(PAGE / name, tmp / name)
         (tmp / "runtime").mkdir()
-        for path in found:
-            shutil.copyfile(path, tmp / "runtime" / path.name)
+        for name, path in found.items():
+            if path.name == WASM:  # an npm dist/ folder's module, not yet compressed
+                (tmp / "runtime" / name).write_bytes(gzip_bytes(path.read_bytes()))
+            else:
+                shutil.copyfile(path, tmp / "runtime" / name)
         (tmp / "model").mkdir()
         write_onnx(model_dir, tmp / "model", weights, quantization, spm=False)
     return sorted(p.name for p in out.iterdir())
 
 
-def runtime_files(runtime: Path | None) -> list[Path]:
+def runtime_files(runtime: Path | None) -> dict[str, Path]:
     """The runtime's files (and its licence, where there is one) from `runtime` or from the
-    installed copy; one clear error when they are missing."""
+    installed copy, by their names in the page's runtime/ (the module may be given as
+    onnxruntime-web's own .wasm); one clear error when they are missing."""
     folder = runtime or RUNTIME
-    missing = [name for name in RUNTIME_FILES if not (folder / name).is_file()]
+    found = {name: folder / name for name in RUNTIME_FILES}
+    if not found[WASM + ".gz"].is_file() and (folder / WASM).is_file():
+        found[WASM + ".gz"] = folder / WASM
+    missing = [name for name, path in found.items() if not path.is_file()]
     if missing:
         where = f"--runtime {runtime}" if runtime else "attnmt's copy"
         raise AttnmtError(
@@ -55,5 +66,11 @@ def runtime_files(runtime: Path | None) -> list[Path]:
             "`python scripts/get_web_runtime.py` (the npm registry, once) or pass --runtime DIR "
             "(a folder with onnxruntime-web's dist/ files)"
         )
-    licence = [folder / "LICENSE"] if (folder / "LICENSE").is_file() else []
-    return [folder / name for name in RUNTIME_FILES] + licence
+    if (folder / "LICENSE").is_file():
+        found["LICENSE"] = folder / "LICENSE"
+    return found
+
+
+def gzip_bytes(data: bytes) -> bytes:
+    """data gzipped at the highest level, with no time stamp (the same bytes every export)."""
+    return gzip.compress(data, compresslevel=9, mtime=0)

@@ -201,6 +201,7 @@ def relu_dropout_linear(
     plain = (
         not training
         or p == 0.0
+        or type(linear) not in (nn.Linear, matmul.Linear)  # one that computes more than W x + b
         or _use_plain_ops(h)
         or h._base is not None
         or h.dtype != torch.float32

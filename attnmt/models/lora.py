@@ -3,6 +3,8 @@ training, beside each adapted projection's frozen weight W (out, in), a low-rank
 
     h = W x + b + (α / r) B A x,    A (r, in), B (out, r),    eq. 3
 
+for the attention projections (as the paper) and, where asked, the feed-forward layers
+(which a far domain needs: docs/benchmarks.md, "Quality", fine-tuning).
 A starts random and B at zero, so the adapted model starts as its base (sec. 4.1). Only A and
 B train, a few MB where the model has hundreds; a model directory of adapters keeps them
 alone and names its base (models.directory), and decoding merges them into W once:
@@ -21,8 +23,11 @@ from attnmt.config import AdapterConfig
 from attnmt.kernels import Linear
 from attnmt.kernels.matmul import linear
 from attnmt.models.attention import MultiHeadAttention
+from attnmt.models.transformer import FeedForward
 
+# train.adapters.targets: the attention projections and the feed-forward block's two layers.
 PROJECTIONS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "out_proj"}
+FEED_FORWARD = {"ff1": "w_1", "ff2": "w_2"}
 
 
 class LoRALinear(Linear):
@@ -59,16 +64,23 @@ class LoRALinear(Linear):
 
 
 def attach_adapters(model: nn.Module, cfg: AdapterConfig) -> int:
-    """Freeze every parameter of `model` and give the attention projections that cfg.targets
-    names (q, k, v, o of every self- and cross-attention) a LoRA adapter; returns how many."""
+    """Freeze every parameter of `model` and give the layers that cfg.targets names (q, k, v,
+    o of every self- and cross-attention; ff1, ff2 of every feed-forward block) a LoRA
+    adapter; returns how many."""
     for p in model.parameters():
         p.requires_grad_(False)
     count = 0
     for module in list(model.modules()):
         if isinstance(module, MultiHeadAttention):
-            for target in cfg.targets:
-                name = PROJECTIONS[target]
-                setattr(module, name, LoRALinear(getattr(module, name), cfg.rank, cfg.alpha))
+            names = PROJECTIONS
+        elif isinstance(module, FeedForward):
+            names = FEED_FORWARD
+        else:
+            continue
+        for target in cfg.targets:
+            if target in names:
+                layer = getattr(module, names[target])
+                setattr(module, names[target], LoRALinear(layer, cfg.rank, cfg.alpha))
                 count += 1
     return count
 

@@ -231,6 +231,7 @@ def log_model(run: Run, resumed: bool) -> None:
     """The `model` event (architecture, size, device, number formats), and the CPU notes."""
     t, device = run.cfg.train, run.device
     n_params = sum(p.numel() for p in run.model.parameters())
+    n_trained = sum(p.numel() for p in run.model.parameters() if p.requires_grad)
     mm_backend = active_backend() if device.type == "cpu" else "blas"
     precision = run.precision
     fp32_cpu = device.type == "cpu" and precision == "fp32"
@@ -241,7 +242,9 @@ def log_model(run: Run, resumed: bool) -> None:
     unit = f"{t.batch_sentences:,} sentences" if t.batch_sentences else f"{t.batch_tokens:,} tokens"
     run.log.event(
         "model",
-        f"model: {run.cfg.model.arch}, {n_params:,} parameters, device {device}, {precision}"
+        f"model: {run.cfg.model.arch}, {n_params:,} parameters"
+        + (f" ({n_trained:,} trained: the LoRA adapters)" if n_trained < n_params else "")
+        + f", device {device}, {precision}"
         + (" (train.precision auto)" if t.precision == "auto" else "")
         + (" (bf16 is native on this CPU: train.precision auto trains faster)" if faster else "")
         + (f", {mm_backend} matmuls" if fp32_cpu else "")
@@ -251,6 +254,7 @@ def log_model(run: Run, resumed: bool) -> None:
         batches_per_update=batches,
         arch=run.cfg.model.arch,
         parameters=n_params,
+        trained_parameters=n_trained,
         device=str(device),
         precision=precision,
         resumed_step=run.progress.step if resumed else None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gzip
 import http.server
 import json
 import shutil
@@ -110,6 +111,9 @@ def test_the_page_translates_in_the_browser_as_attnmt(tmp_path: Path, trained, b
     assert result.code == 0, result.stderr
     assert "20/20 identical" in result.stdout
     assert {"index.html", "runtime", "model"} <= {p.name for p in out.iterdir()}
+    assert sorted(p.name for p in (out / "runtime").iterdir()) == sorted(
+        [*RUNTIME_FILES, "LICENSE"]
+    )
     lines = corpus["dev_src"].read_text().splitlines()
     ours = Translator.load(model)
     q = urllib.parse.quote("\n".join(lines))
@@ -168,8 +172,29 @@ def test_a_multilingual_page_translates_into_the_chosen_language(tmp_path: Path,
     raw["data"]["dev"] = [{**files, "tgt_lang": lang} for lang in ("de", "en")]
     raw["train"].update(max_steps=2, eval_every=2)
     train(from_dict(raw), tmp_path / "m", quiet=True)
-    result = run_cli("export", str(tmp_path / "m"), str(tmp_path / "web"), "--format", "web")
+    # onnxruntime-web's own dist/ files (the module not compressed) as --runtime: the page
+    # gets the module gzipped, as from attnmt's copy.
+    dist = tmp_path / "dist"
+    dist.mkdir()
+    for name in RUNTIME_FILES:
+        data = (RUNTIME / name).read_bytes()
+        if name.endswith(".gz"):
+            name, data = name.removesuffix(".gz"), gzip.decompress(data)
+        (dist / name).write_bytes(data)
+    result = run_cli(
+        "export",
+        str(tmp_path / "m"),
+        str(tmp_path / "web"),
+        "--format",
+        "web",
+        "--runtime",
+        str(dist),
+    )
     assert result.code == 0, result.stderr
+    module = tmp_path / "web" / "runtime" / "ort-wasm-simd-threaded.wasm.gz"
+    assert (
+        gzip.decompress(module.read_bytes()) == (dist / "ort-wasm-simd-threaded.wasm").read_bytes()
+    )
     assert "into de" in result.stdout and "into en" in result.stdout
     ours = Translator.load(tmp_path / "m")
     lines = src[:5]

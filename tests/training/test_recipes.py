@@ -3,6 +3,7 @@ adapters, each resumable to the byte."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from attnmt.data.tokenizer import BT_TAG
 from attnmt.errors import CheckpointError, ConfigError
 from attnmt.models.directory import load_model_dir, read_tensors
 from attnmt.models.lora import attach_adapters, merge_adapters
+from attnmt.models.transformer import FeedForward
 from attnmt.training.loop import train
 
 from conftest import make_pairs, tiny_config, write_lines
@@ -141,6 +143,24 @@ def test_an_adapter_at_initialisation_changes_nothing_and_merging_keeps_the_func
     torch.testing.assert_close(merged, adapted, rtol=1e-4, atol=1e-5)
 
 
+def test_feed_forward_adapters_start_as_the_base_and_learn_through_the_fused_block():
+    model = tiny_model("transformer")
+    batch = random_batch(3)
+    with torch.no_grad():
+        before = stepwise_logits(model.eval(), batch, batch.tgt_in)
+        cfg = AdapterConfig(rank=2, targets=["ff1", "ff2"])
+        assert attach_adapters(model, cfg) == 2 * 4  # 2 + 2 layers' blocks
+        torch.testing.assert_close(stepwise_logits(model, batch, batch.tgt_in), before)
+    # Training (dropout on, fp32 on the CPU): the feed-forward block's fused kernel would
+    # read W_2 alone; with an adapter it computes the plain way and B gets a gradient.
+    ff = next(m for m in model.modules() if isinstance(m, FeedForward))
+    ff.p = 0.5
+    ff.train()
+    ff(torch.randn(4, 5, ff.w_1.in_features)).sum().backward()
+    assert ff.w_2.lora_b.grad is not None and ff.w_2.lora_b.grad.abs().sum() > 0
+    assert ff.w_2.weight.grad is None  # the base stays frozen
+
+
 def adapter_config(corpus: dict[str, Path], base: Path, steps: int = 8) -> dict:
     raw = tiny_config(corpus)
     raw["train"].update(max_steps=steps, eval_every=4, init_from=str(base), lr=0.01,
@@ -162,6 +182,11 @@ def test_adapters_train_alone_and_the_directory_keeps_only_them(tmp_path: Path, 
     assert (base / "best.safetensors").read_bytes() == before  # the base is left as it was
     stored, _, _ = read_tensors(tmp_path / "lora" / "best.safetensors")
     assert stored and all(name.endswith(("lora_a", "lora_b")) for name in stored)
+    events = [json.loads(line) for line in (tmp_path / "lora" / "train_log.jsonl").open()]
+    model = next(e for e in events if e["event"] == "model")
+    assert model["trained_parameters"] == sum(t.numel() for t in stored.values())
+    log = (tmp_path / "lora" / "train.log").read_text()
+    assert f"({model['trained_parameters']:,} trained: the LoRA adapters)" in log
     _, _, merged = load_model_dir(tmp_path / "lora")
     _, _, plain = load_model_dir(base)
     changed = [

@@ -13,6 +13,7 @@
   if (params.has("threads")) ort.env.wasm.numThreads = parseInt(params.get("threads"), 10) || 1;
   let model;
   try {
+    ort.env.wasm.wasmBinary = await runtimeModule("runtime/ort-wasm-simd-threaded.wasm.gz");
     model = await AttnmtSearch.load("model/");
   } catch (e) {
     $("status").textContent = "";
@@ -47,6 +48,17 @@
     } finally {
       $("go").disabled = false;
     }
+  }
+
+  // The WebAssembly module, shipped gzipped: inflated here unless the server already did
+  // (a server that sends it with Content-Encoding: gzip hands fetch the module itself).
+  async function runtimeModule(url) {
+    const response = await fetch(url);
+    if (!response.ok) throw new Error(`${url}: HTTP ${response.status}`);
+    const bytes = new Uint8Array(await response.arrayBuffer());
+    if (bytes[0] !== 0x1f || bytes[1] !== 0x8b) return bytes;
+    const inflated = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("gzip"));
+    return new Uint8Array(await new Response(inflated).arrayBuffer());
   }
 
   $("form").addEventListener("submit", (e) => { e.preventDefault(); translate(); });
