@@ -5,8 +5,10 @@ Starts `attnmt serve` on a free loopback port (its own process, --threads 2 by d
 for each number of clients and request size, lets that many client threads send Multi30k
 test_2016_flickr sentences (from --data) in requests of that many sentences until all are
 translated. Prints one JSON line per (clients, size): sentences/s, p50/p99 request latency
-(ms), the server's decoding steps, and cli_sentences_per_s (the same sentences through
-Translator.translate in this process, model loading excluded) and their ratio, and the idle
+(ms), the server's decoding steps, and batch_sentences_per_s (the same sentences through
+Translator.translate in this process, model loading excluded) and their ratio, with single-
+sentence requests also chunked_sentences_per_s (the same in chunks of as many lines as there
+are clients, in their order: the most that many clients can have in flight), and the idle
 latency (idle_ms: the median of 50 single-sentence requests one after another) with p50 and
 p99 over it.
 """
@@ -136,8 +138,13 @@ def wait_up(url: str, proc: subprocess.Popen) -> None:
     raise SystemExit("bench serve: the server did not start")
 
 
-def cli_rate(model: Path, sentences: list[str], beam: int, threads: int) -> float:
-    """Sentences/s of the batch path (Translator.translate over all sentences), load excluded."""
+def cli_rate(
+    model: Path, sentences: list[str], beam: int, threads: int, chunks: list[int]
+) -> tuple[float, dict[int, float]]:
+    """Sentences/s of the batch path (Translator.translate over all sentences: batches of up
+    to decode.batch_tokens, sorted by length), load excluded; and of the same in chunks of
+    n lines in their order, for each n of `chunks` (what n one-line clients can offer at most:
+    n lines in flight, arriving in no order)."""
     import torch
 
     from attnmt import Translator
@@ -147,7 +154,14 @@ def cli_rate(model: Path, sentences: list[str], beam: int, threads: int) -> floa
     translator.translate(sentences[:64], beam=beam)  # warm up
     start = time.perf_counter()
     translator.translate(sentences, beam=beam)
-    return len(sentences) / (time.perf_counter() - start)
+    whole = len(sentences) / (time.perf_counter() - start)
+    chunked = {}
+    for n in chunks:
+        start = time.perf_counter()
+        for i in range(0, len(sentences), n):
+            translator.translate(sentences[i : i + n], beam=beam)
+        chunked[n] = len(sentences) / (time.perf_counter() - start)
+    return whole, chunked
 
 
 def bench_serve(args: argparse.Namespace) -> None:
@@ -155,7 +169,9 @@ def bench_serve(args: argparse.Namespace) -> None:
         sentences = [line.strip() for line in f]
     if getattr(args, "eole", None) is not None:
         return bench_eole(args, sentences)
-    cli = cli_rate(args.model, sentences, args.beam, args.threads)
+    cli = cli_rate(
+        args.model, sentences, args.beam, args.threads, [c for c in args.clients if c > 1]
+    )
     port = free_port()
     proc = start_server(args.model, port, args.batch_wait_ms, args.threads)
     try:
@@ -168,9 +184,16 @@ def bench_serve(args: argparse.Namespace) -> None:
 
 
 def rows(
-    url: str, path: str, body: Any, sentences: list[str], args: argparse.Namespace, batch: float
+    url: str,
+    path: str,
+    body: Any,
+    sentences: list[str],
+    args: argparse.Namespace,
+    batch: tuple[float, dict[int, float]],
 ) -> None:
-    """Warm up, measure the idle latency, then one JSON line per (clients, size)."""
+    """Warm up, measure the idle latency, then one JSON line per (clients, size), against the
+    batch path (`batch`: cli_rate's, or a peer's rate and no chunked rates)."""
+    batch, chunked = batch
     load(url, path, body, sentences[:64], 4, 1)  # warm up
     idle = idle_ms(url, path, body, sentences)
     for clients in args.clients:
@@ -182,6 +205,14 @@ def rows(
                 "batch_sentences_per_s": round(batch, 1),
                 "ratio": round(row["sentences_per_s"] / batch, 2),
                 "idle_ms": round(idle, 1),
+                **(
+                    {
+                        "chunked_sentences_per_s": round(chunked[clients], 1),
+                        "ratio_to_chunked": round(row["sentences_per_s"] / chunked[clients], 2),
+                    }
+                    if clients in chunked and size == 1
+                    else {}
+                ),
                 "p50_over_idle": round(row["p50_ms"] / idle, 2),
                 "p99_over_idle": round(row["p99_ms"] / idle, 2),
             }
@@ -214,7 +245,7 @@ def bench_eole(args: argparse.Namespace, sentences: list[str]) -> None:
     try:
         wait_up(f"{url}/health", proc)
         body = lambda chunk: {"model": "peer", "inputs": chunk, "beam_size": args.beam}  # noqa: E731
-        rows(url, "/infer", body, pieces, args, args.eole_batch_rate)
+        rows(url, "/infer", body, pieces, args, (args.eole_batch_rate, {}))
     finally:
         proc.terminate()
         proc.wait(timeout=30)
