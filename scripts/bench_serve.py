@@ -8,7 +8,9 @@ translated. Prints one JSON line per (clients, size): sentences/s, p50/p99 reque
 (ms), the server's decoding steps, and batch_sentences_per_s (the same sentences through
 Translator.translate in this process, model loading excluded) and their ratio, with single-
 sentence requests also chunked_sentences_per_s (the same in chunks of as many lines as there
-are clients, in their order: the most that many clients can have in flight), and the idle
+are clients, in their order: the most that many clients can have in flight) and
+search_alone_sentences_per_s (the server's scheduler in this process without HTTP, as many
+one-line requests kept in flight as there are clients), and the idle
 latency (idle_ms: the median of 50 single-sentence requests one after another) with p50 and
 p99 over it.
 """
@@ -140,11 +142,12 @@ def wait_up(url: str, proc: subprocess.Popen) -> None:
 
 def cli_rate(
     model: Path, sentences: list[str], beam: int, threads: int, chunks: list[int]
-) -> tuple[float, dict[int, float]]:
+) -> tuple[float, dict[int, tuple[float, float]]]:
     """Sentences/s of the batch path (Translator.translate over all sentences: batches of up
-    to decode.batch_tokens, sorted by length), load excluded; and of the same in chunks of
-    n lines in their order, for each n of `chunks` (what n one-line clients can offer at most:
-    n lines in flight, arriving in no order)."""
+    to decode.batch_tokens, sorted by length), load excluded; and for each n of `chunks`, (the
+    same in chunks of n lines in their order: what n one-line clients can offer at most, n
+    lines in flight arriving in no order; the server's search alone, without HTTP, n lines
+    kept in flight: search_alone)."""
     import torch
 
     from attnmt import Translator
@@ -160,8 +163,41 @@ def cli_rate(
         start = time.perf_counter()
         for i in range(0, len(sentences), n):
             translator.translate(sentences[i : i + n], beam=beam)
-        chunked[n] = len(sentences) / (time.perf_counter() - start)
+        chunked[n] = (
+            len(sentences) / (time.perf_counter() - start),
+            search_alone(translator, sentences, beam, n),
+        )
     return whole, chunked
+
+
+def search_alone(translator: Any, sentences: list[str], beam: int, in_flight: int) -> float:
+    """Sentences/s of the server's scheduler in this process's main thread, as `attnmt
+    serve` runs it, fed one-line requests by a thread that keeps `in_flight` of them waiting
+    or searching: the server without its HTTP side."""
+    import threading
+
+    from attnmt.serve.scheduler import Scheduler
+    from attnmt.serve.schema import Limits
+
+    scheduler = Scheduler(translator, Limits(max_queue=4096), thread=False)
+    options = translator.options(beam)
+    slots, left, done = threading.Semaphore(in_flight), [len(sentences)], threading.Event()
+
+    def answered(_: Any) -> None:
+        slots.release()
+        left[0] -= 1  # callbacks run in the search thread, one at a time
+        if not left[0]:
+            done.set()
+
+    def feed() -> None:
+        for line in sentences:
+            slots.acquire()
+            scheduler.submit(translator.prepare([line], options)).future.add_done_callback(answered)
+
+    threading.Thread(target=feed, daemon=True).start()
+    start = time.perf_counter()
+    scheduler.run(alive=lambda: not done.is_set())
+    return len(sentences) / (time.perf_counter() - start)
 
 
 def bench_serve(args: argparse.Namespace) -> None:
@@ -189,7 +225,7 @@ def rows(
     body: Any,
     sentences: list[str],
     args: argparse.Namespace,
-    batch: tuple[float, dict[int, float]],
+    batch: tuple[float, dict[int, tuple[float, float]]],
 ) -> None:
     """Warm up, measure the idle latency, then one JSON line per (clients, size), against the
     batch path (`batch`: cli_rate's, or a peer's rate and no chunked rates)."""
@@ -207,8 +243,9 @@ def rows(
                 "idle_ms": round(idle, 1),
                 **(
                     {
-                        "chunked_sentences_per_s": round(chunked[clients], 1),
-                        "ratio_to_chunked": round(row["sentences_per_s"] / chunked[clients], 2),
+                        "chunked_sentences_per_s": round(chunked[clients][0], 1),
+                        "ratio_to_chunked": round(row["sentences_per_s"] / chunked[clients][0], 2),
+                        "search_alone_sentences_per_s": round(chunked[clients][1], 1),
                     }
                     if clients in chunked and size == 1
                     else {}
