@@ -181,13 +181,17 @@ def search_alone(translator: Any, sentences: list[str], beam: int, in_flight: in
 
     scheduler = Scheduler(translator, Limits(max_queue=4096), thread=False)
     options = translator.options(beam)
-    slots, left, done = threading.Semaphore(in_flight), [len(sentences)], threading.Event()
+    slots, done = threading.Semaphore(in_flight), threading.Event()
+    left, lock = [len(sentences)], threading.Lock()
 
     def answered(_: Any) -> None:
+        # In the search thread, or in the feeder's when a line was done before its callback
+        # was added: counted under a lock.
         slots.release()
-        left[0] -= 1  # callbacks run in the search thread, one at a time
-        if not left[0]:
-            done.set()
+        with lock:
+            left[0] -= 1
+            if not left[0]:
+                done.set()
 
     def feed() -> None:
         for line in sentences:
