@@ -151,22 +151,41 @@ class EncoderLayer(nn.Module):
         return self.res_ff.add(x, self.ff(self.res_ff.normed_input(x)))
 
 
+# Positions a decoding cache has room for past those it holds (Room): the next ones are
+# written in place, where torch.cat would copy the whole cache at every step.
+ROOM = 16
+
+
+@dataclass
+class Room:
+    """Buffers (N, h, capacity, d_h) whose first `filled` positions hold a cache's keys and
+    values. The next position is written in place once: a second step from the same cache
+    finds `filled` moved on and copies (append_position)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    filled: int
+
+
 @dataclass
 class LayerCache:
     self_k: torch.Tensor  # (B, h, t, d_h) keys of the positions decoded so far
     self_v: torch.Tensor  # (B, h, t, d_h)
+    room: Room | None = None  # the buffers self_k and self_v begin (decoding), or None
 
 
 def stack_rows(
-    parts: list[tuple[torch.Tensor, torch.Tensor | None]], size: int, left: bool
-) -> torch.Tensor:
+    parts: list[tuple[torch.Tensor, torch.Tensor | None]], size: int, left: bool, spare: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows of each part (x (N_i, h, L_i, d), at `rows` (M_i,) or all, in order), one
     part after another, as `size` positions each: a part's last `size` (left) or first ones,
-    zeros where it has fewer -> (sum M_i, h, size, d). One copy of each part, where cat after
-    index_select and padding would make three (joining a running search's caches)."""
+    zeros where it has fewer -> (sum M_i, h, size, d), and the buffer it begins, with `spare`
+    positions more. One copy of each part, where cat after index_select and padding would
+    make three (joining a running search's caches)."""
     x0 = parts[0][0]
     n = sum(x.size(0) if rows is None else rows.numel() for x, rows in parts)
-    out = x0.new_empty(n, x0.size(1), size, x0.size(3))
+    buffer = x0.new_empty(n, x0.size(1), size + spare, x0.size(3))
+    out = buffer[:, :, :size]
     at = 0
     for x, rows in parts:
         m, L = x.size(0) if rows is None else rows.numel(), min(size, x.size(2))
@@ -178,25 +197,40 @@ def stack_rows(
             torch.index_select(src, 0, rows, out=dst)
         (out[at : at + m, :, : size - L] if left else out[at : at + m, :, L:]).zero_()
         at += m
-    return out
+    return out, buffer
 
 
 def append_position(
-    cache: torch.Tensor, new: torch.Tensor, rows: torch.Tensor | None
-) -> torch.Tensor:
-    """torch.cat([cache[rows], new], dim=2) in one pass over the cache: cache (B, h, t, d),
-    rows (N,) or None for all in order, new (N, h, 1, d) -> (N, h, t + 1, d).
+    cache: LayerCache, k_new: torch.Tensor, v_new: torch.Tensor, rows: torch.Tensor | None
+) -> LayerCache:
+    """The cache grown by one position: torch.cat([cache[rows], new], dim=2) for its keys
+    and values, with k_new, v_new (N, h, 1, d), rows (N,) or None for all in order -> (N, h,
+    t + 1, d) each.
 
-    Beam search reorders the cached beams every step; copying them in the new order straight
-    into the grown cache reads and writes them once instead of twice (index_select, then cat).
+    A decoding cache (init_state's: with a Room) takes the position in place while its rows
+    stay as they are, and is copied into buffers with ROOM positions to spare when it has
+    none left. Beam search, which reorders the cached beams every step, copies them in the
+    new order straight into the grown cache, reading and writing them once instead of twice
+    (index_select, then cat). A cache without a Room (an exported graph's) grows by torch.cat.
     """
-    if rows is None:
-        return torch.cat([cache, new], dim=2)
-    _, h, t, d = cache.shape
-    out = cache.new_empty(rows.numel(), h, t + 1, d)
-    torch.index_select(cache, 0, rows, out=out[:, :, :t])
-    out[:, :, t:] = new
-    return out
+    t, room = cache.self_k.size(2), cache.room
+    if room is None and rows is None:
+        return LayerCache(torch.cat([cache.self_k, k_new], 2), torch.cat([cache.self_v, v_new], 2))
+    if room is None or rows is not None or room.filled != t or room.k.size(2) == t:
+        # Reordered rows (beam search: at every step) get no room to spare: a fresh buffer's
+        # pages are mapped as they are first written, and room would double them.
+        N, h, _, d = k_new.shape
+        size = t + 1 + (ROOM if rows is None else 0)
+        room = Room(k_new.new_empty(N, h, size, d), v_new.new_empty(N, h, size, d), t)
+        for old, buffer in ((cache.self_k, room.k), (cache.self_v, room.v)):
+            if rows is None:
+                buffer[:, :, :t].copy_(old)
+            else:
+                torch.index_select(old, 0, rows, out=buffer[:, :, :t])
+    room.k[:, :, t : t + 1].copy_(k_new)
+    room.v[:, :, t : t + 1].copy_(v_new)
+    room.filled = t + 1
+    return LayerCache(room.k[:, :, : t + 1], room.v[:, :, : t + 1], room)
 
 
 class DecoderLayer(nn.Module):
@@ -272,12 +306,11 @@ class DecoderLayer(nn.Module):
             at = positions_of(1, position, x.device) if self.rope else None  # (1,)
             if at is not None:
                 k_new = rotary(k_new, at)  # cached turned: a key keeps its position
-            k = append_position(cache.self_k, k_new, rows)  # (N, h, t+1, d_h)
-            v = append_position(cache.self_v, v_new, rows)  # (N, h, t+1, d_h)
+            new_cache = append_position(cache, k_new, v_new, rows)  # (N, h, t+1, d_h) each
+            k, v = new_cache.self_k, new_cache.self_v
             # The newest position may see every cached one (of its row): no causal mask.
             out = self.self_attn.attend(h, k, v, self_mask, q_positions=at)[0]
             x = self.res_self.add(x, out)
-            new_cache = LayerCache(k, v)
         h = self.res_cross.normed_input(x)
         N, _, d = h.shape
         B = cross_k.size(0)
@@ -409,12 +442,15 @@ class TransformerSeq2Seq(Seq2Seq):
 
     def init_state(self, memory: TransformerMemory) -> TransformerState:
         k = memory.cross[0][0]
-        empty = k.new_zeros(k.size(0), k.size(1), 0, k.size(3))  # (B, h, 0, d_h)
-        zeros = k.new_zeros(k.size(0), k.size(1) * k.size(3))  # (B, d): c_0 of an SSRU layer
-        caches: list[LayerCache | RecurrentCache] = [
-            RecurrentCache(zeros) if layer.ssru is not None else LayerCache(empty, empty)
-            for layer in self.decoder_layers
-        ]
+        B, h, _, d_h = k.shape
+        zeros = k.new_zeros(B, h * d_h)  # (B, d): c_0 of an SSRU layer
+        caches: list[LayerCache | RecurrentCache] = []
+        for layer in self.decoder_layers:
+            if layer.ssru is not None:
+                caches.append(RecurrentCache(zeros))
+                continue
+            room = Room(k.new_empty(B, h, ROOM, d_h), k.new_empty(B, h, ROOM, d_h), 0)
+            caches.append(LayerCache(room.k[:, :, :0], room.v[:, :, :0], room))  # (B, h, 0, d_h)
         return TransformerState(caches, 0)
 
     def decode_step(
@@ -465,7 +501,8 @@ class TransformerSeq2Seq(Seq2Seq):
         mask = [pad_to(m.src_mask, 3, S, -torch.inf) for m in (first, second)]  # (B_i, 1, 1, S)
         cross = [
             tuple(
-                stack_rows([(a, None), (b, None)], S, left=False) for a, b in zip(x, y, strict=True)
+                stack_rows([(a, None), (b, None)], S, left=False)[0]
+                for a, b in zip(x, y, strict=True)
             )
             for x, y in zip(first.cross, second.cross, strict=True)
         ]  # (B1 + B2, h, S, d_h): the padding is masked, so each row attends as before
@@ -486,9 +523,13 @@ class TransformerSeq2Seq(Seq2Seq):
                 caches.append(RecurrentCache(torch.cat([cx, cy])))  # (N1 + N2, d)
                 continue
             assert isinstance(x, LayerCache) and isinstance(y, LayerCache)
-            k = stack_rows([(x.self_k, first.rows), (y.self_k, second.rows)], t, left=True)
-            v = stack_rows([(x.self_v, first.rows), (y.self_v, second.rows)], t, left=True)
-            caches.append(LayerCache(k, v))  # (N1 + N2, h, t, d_h) each
+            k, k_room = stack_rows(
+                [(x.self_k, first.rows), (y.self_k, second.rows)], t, left=True, spare=ROOM
+            )  # (N1 + N2, h, t, d_h)
+            v, v_room = stack_rows(
+                [(x.self_v, first.rows), (y.self_v, second.rows)], t, left=True, spare=ROOM
+            )  # (N1 + N2, h, t, d_h)
+            caches.append(LayerCache(k, v, Room(k_room, v_room, t)))
         return TransformerState(caches, position)
 
     @staticmethod

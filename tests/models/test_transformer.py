@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from attnmt.models.seq2seq import AttentionSpec, sequence_loss
-from attnmt.models.transformer import sinusoid_table
+from attnmt.models.transformer import ROOM, LayerCache, Room, append_position, sinusoid_table
 
 from helpers import V, random_batch, stepwise_logits, tiny_model
 
@@ -119,3 +119,50 @@ def test_selected_state_continues_as_the_selected_rows():
     torch.testing.assert_close(logits, ref, atol=1e-6, rtol=1e-5)
     for c, r in zip(state.caches, ref_state.caches, strict=True):
         torch.testing.assert_close(c.self_k, r.self_k, atol=1e-6, rtol=1e-5)
+
+
+def test_a_decoding_cache_grows_in_place_and_its_past_states_stay_valid():
+    """Decoding caches take each new position in their spare room (no copy of the cache),
+    past ROOM positions too; a second step from an earlier state copies instead of writing
+    over the position its first step filled. Same keys as torch.cat, every time."""
+    h, d = 2, 4
+    cache = LayerCache(torch.zeros(3, h, 0, d), torch.zeros(3, h, 0, d), Room(
+        torch.empty(3, h, ROOM, d), torch.empty(3, h, ROOM, d), 0))  # fmt: skip
+    keys = torch.zeros(3, h, 0, d)
+    states = []
+    for _ in range(ROOM + 3):
+        k = torch.randn(3, h, 1, d)
+        cache = append_position(cache, k, -k, None)
+        keys = torch.cat([keys, k], dim=2)
+        assert torch.equal(cache.self_k, keys) and torch.equal(cache.self_v, -keys)
+        states.append((cache, keys))
+    assert cache.room.k.size(2) > cache.self_k.size(2)  # grown, with room again
+    old, old_keys = states[4]
+    branch = append_position(old, torch.ones(3, h, 1, d), torch.ones(3, h, 1, d), None)
+    assert torch.equal(branch.self_k, torch.cat([old_keys, torch.ones(3, h, 1, d)], dim=2))
+    later, later_keys = states[5]  # the first step from `old`: untouched by the second
+    assert torch.equal(later.self_k, later_keys)
+    rows = torch.tensor([2, 0])
+    picked = append_position(cache, torch.ones(2, h, 1, d), torch.ones(2, h, 1, d), rows)
+    assert torch.equal(picked.self_k, torch.cat([keys[rows], torch.ones(2, h, 1, d)], dim=2))
+    assert picked.room.k.size(2) == picked.self_k.size(2)  # reordered rows: no room to spare
+    plain = append_position(LayerCache(keys, -keys), k, -k, None)  # an exported graph's cache
+    assert plain.room is None and torch.equal(plain.self_k, torch.cat([keys, k], dim=2))
+
+
+def test_stepping_one_state_twice_gives_the_same_as_stepping_copies():
+    model = tiny_model("transformer").eval()
+    batch = random_batch(B=3)
+    memory = model.encode(batch.src, batch.src_pad_mask)
+    with torch.no_grad():
+        state = model.init_state(memory)
+        for t in range(3):
+            _, state, _ = model.decode_step(memory, state, batch.tgt_in[:, t])
+        a, after_a, _ = model.decode_step(memory, state, batch.tgt_in[:, 3])
+        b, _, _ = model.decode_step(memory, state, batch.tgt_in[:, 0])  # the same state again
+        again, _, _ = model.decode_step(memory, after_a, batch.tgt_in[:, 4])
+        fresh = model.init_state(memory)
+        for t in range(5):
+            ref, fresh, _ = model.decode_step(memory, fresh, batch.tgt_in[:, t])
+    torch.testing.assert_close(again, ref, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(a, b)
