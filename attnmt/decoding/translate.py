@@ -26,7 +26,7 @@ from attnmt.decoding.shortlist import Shortlist, restricted
 from attnmt.decoding.terminology import Term
 from attnmt.device import PRECISION_DTYPES
 from attnmt.errors import DataError
-from attnmt.kernels import matmul_backend, quantize_int8
+from attnmt.kernels import matmul_backend, pack_for_many_rows, quantize_int8
 from attnmt.kernels.matmul import active_backend
 from attnmt.models.seq2seq import Seq2Seq
 
@@ -319,7 +319,9 @@ def for_decoding(model: Seq2Seq, precision: str) -> Seq2Seq:
     at the cost of outputs that may differ from fp32 here and there. Search sums its scores in
     fp32 whatever the model computes in."""
     if precision == "int8":
-        return cast(Seq2Seq, quantize_int8(model.float()))
+        model = cast(Seq2Seq, quantize_int8(model.float()))
+        pack_for_many_rows(model.source_side())
+        return model
     return model.to(PRECISION_DTYPES[precision])
 
 

@@ -23,7 +23,7 @@ Imports only the ground floor (device): the models call it, it calls no model.
 """
 
 from attnmt.kernels.attention import fused_attention
-from attnmt.kernels.int8 import quantize_int8
+from attnmt.kernels.int8 import pack_for_many_rows, quantize_int8
 from attnmt.kernels.matmul import Linear, matmul_backend
 from attnmt.kernels.ops import (
     Dropout,
@@ -55,6 +55,7 @@ __all__ = [
     "linear_cross_entropy",
     "mask_threads",
     "matmul_backend",
+    "pack_for_many_rows",
     "plain_recurrences",
     "quantize_int8",
     "topk_rows",

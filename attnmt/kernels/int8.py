@@ -20,7 +20,9 @@ project pins torch 2.13, where they are supported.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -37,12 +39,34 @@ def int8_hardware() -> bool:
     return bool(probe()) if probe is not None else False
 
 
+def int8_tiles() -> bool:
+    """Whether this CPU has AMX tiles (Xeons from Sapphire Rapids on), which oneDNN's int8
+    matmuls use and fbgemm's do not."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    if probe is None or "onednn" not in torch.backends.quantized.supported_engines:
+        return False
+    return bool(probe())
+
+
+@contextlib.contextmanager
+def quantized_engine(name: str) -> Iterator[None]:
+    """torch's quantized engine (a process-wide setting) set to `name` for a block: weights
+    packed inside it are multiplied by that engine's kernels wherever they are used."""
+    before = torch.backends.quantized.engine
+    torch.backends.quantized.engine = name
+    try:
+        yield
+    finally:
+        torch.backends.quantized.engine = before
+
+
 class Int8Linear(nn.Module):
     """y = x Wᵀ + b with W (N, K) stored as int8, one scale per row, and x quantized per call."""
 
     def __init__(self, q_weight: torch.Tensor, bias: torch.Tensor | None, full_range: bool) -> None:
         super().__init__()
         self.packed = torch.ops.quantized.linear_prepack(q_weight, bias)
+        self.engine = torch.backends.quantized.engine  # whose kernels `packed` is for
         self.q_weight, self.bias = q_weight, bias  # kept for rows()
         self.out_features, self.in_features = q_weight.shape
         # 7-bit inputs (reduce_range) keep fbgemm's 16-bit sums from saturating without VNNI.
@@ -75,6 +99,11 @@ class Int8Linear(nn.Module):
         bias = None if self.bias is None else self.bias.index_select(0, index)
         return Int8Linear(q_rows, bias, not self.reduce_range)
 
+    def repack(self) -> None:
+        """Pack the weight again, for the quantized engine in use (quantized_engine)."""
+        self.packed = torch.ops.quantized.linear_prepack(self.q_weight, self.bias)
+        self.engine = torch.backends.quantized.engine
+
 
 class Int8GRU(torch.ao.nn.quantized.dynamic.GRU):
     """torch's dynamically quantized GRU, which also answers `all_weights` with nothing: the
@@ -94,6 +123,21 @@ def quantize_int8(model: nn.Module) -> nn.Module:
         warnings.filterwarnings("ignore", message=".*quantiz.*", category=DeprecationWarning)
         _swap(model, int8_hardware())
     return model
+
+
+def pack_for_many_rows(modules: Iterable[nn.Module]) -> None:
+    """Where the CPU has AMX tiles, repack the Int8Linear layers in `modules`, which multiply
+    a whole batch of sources at once, for oneDNN's kernels: 2.3x fbgemm's at 1,280 rows x 256
+    -> 1,024 on a Xeon with AMX, but slower at a decoding step's few rows, which stay with
+    fbgemm (docs/benchmarks.md). With VNNI as well, inputs keep their full 8 bits there."""
+    if not int8_tiles():
+        return
+    with warnings.catch_warnings(), quantized_engine("onednn"):
+        warnings.filterwarnings("ignore", message=".*quantiz.*")
+        for module in modules:
+            for layer in module.modules():
+                if isinstance(layer, Int8Linear):
+                    layer.repack()
 
 
 def _swap(module: nn.Module, full_range: bool) -> None:

@@ -84,6 +84,12 @@ class Seq2Seq(nn.Module):
         positions: each row goes on from its own position."""
         raise NotImplementedError
 
+    def source_side(self) -> list[nn.Module]:
+        """The modules whose products run over whole sources at once, once per batch (the
+        encoder, the projections of its output), not over a decoding step's few rows: where
+        the CPU has them, int8 decoding gives these its kernels for many rows."""
+        return []
+
     def forward(
         self,
         batch: Batch,

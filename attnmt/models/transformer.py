@@ -405,6 +405,11 @@ class TransformerSeq2Seq(Seq2Seq):
 
     # --- the seq2seq interface ---
 
+    def source_side(self) -> list[nn.Module]:
+        cross = [m for layer in self.decoder_layers for m in (layer.cross_attn.k_proj,
+                                                             layer.cross_attn.v_proj)]  # fmt: skip
+        return [self.encoder_layers, *cross]
+
     def encode(self, src: torch.Tensor, src_pad_mask: torch.Tensor) -> TransformerMemory:
         x, mask = self.encode_hidden(src, src_pad_mask)  # (B, S, d), (B, 1, 1, S)
         # Decoding needs the encoder output only as these keys and values.

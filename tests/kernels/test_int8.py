@@ -11,6 +11,7 @@ from torch import nn
 
 from attnmt import Translator
 from attnmt.config import from_dict
+from attnmt.kernels import int8
 from attnmt.kernels.int8 import MIN_OUT_FEATURES, Int8GRU, Int8Linear, int8_hardware
 from attnmt.training.loop import train
 
@@ -84,3 +85,22 @@ def test_int8_is_refused_off_the_cpu(models, monkeypatch):
     )
     with pytest.raises(Exception, match="int8 decoding is for the CPU"):
         Translator.load(models["rnn"], device="cuda", precision="int8")
+
+
+def test_the_source_side_runs_on_onednn_where_the_cpu_has_amx_tiles(models, monkeypatch):
+    """With AMX tiles (forced here: oneDNN's int8 kernels run on any x86 CPU), the encoder's and
+    the cross-attention keys' and values' int8 layers are packed for oneDNN, the decoder step's
+    stay with fbgemm; the translations agree with fbgemm's everywhere."""
+    fbgemm = Translator.load(models["transformer"], device="cpu", precision="int8")
+    monkeypatch.setattr(int8, "int8_tiles", lambda: True)
+    onednn = Translator.load(models["transformer"], device="cpu", precision="int8")
+    source = {id(m) for part in onednn.model.source_side() for m in part.modules()}
+    layers = [(n, m) for n, m in onednn.model.named_modules() if isinstance(m, Int8Linear)]
+    assert all(m.engine == ("onednn" if id(m) in source else "x86") for _, m in layers)
+    assert {n for n, m in layers if m.engine == "onednn"} >= {
+        "encoder_layers.0.ff.w_1", "decoder_layers.0.cross_attn.k_proj",
+        "decoder_layers.0.cross_attn.v_proj"}  # fmt: skip
+    assert onednn.model.decoder_layers[0].cross_attn.q_proj.engine == "x86"
+    want, got = fbgemm.translate(LINES), onednn.translate(LINES)
+    same = sum(a == b for a, b in zip(want, got, strict=True)) / len(LINES)
+    assert same >= 0.9, f"{same:.0%} of lines equal to fbgemm's"
