@@ -129,7 +129,7 @@ def pack_for_many_rows(modules: Iterable[nn.Module]) -> None:
     """Where the CPU has AMX tiles, repack the Int8Linear layers in `modules`, which multiply
     a whole batch of sources at once, for oneDNN's kernels: 2.3x fbgemm's at 1,280 rows x 256
     -> 1,024 on a Xeon with AMX, but slower at a decoding step's few rows, which stay with
-    fbgemm (docs/benchmarks.md). With VNNI as well, inputs keep their full 8 bits there."""
+    fbgemm (docs/benchmarks.md). The weights stay the same int8 rows and scales."""
     if not int8_tiles():
         return
     with warnings.catch_warnings(), quantized_engine("onednn"):

@@ -150,7 +150,7 @@ def test_a_decoding_cache_grows_in_place_and_its_past_states_stay_valid():
     assert plain.room is None and torch.equal(plain.self_k, torch.cat([keys, k], dim=2))
 
 
-def test_stepping_one_state_twice_gives_the_same_as_stepping_copies():
+def test_a_state_stepped_twice_keeps_its_first_steps_result():
     model = tiny_model("transformer").eval()
     batch = random_batch(B=3)
     memory = model.encode(batch.src, batch.src_pad_mask)
