@@ -216,7 +216,9 @@ def append_position(
     t, room = cache.self_k.size(2), cache.room
     if room is None and rows is None:
         return LayerCache(torch.cat([cache.self_k, k_new], 2), torch.cat([cache.self_v, v_new], 2))
-    if room is None or rows is not None or room.filled != t or room.k.size(2) == t:
+    # (Buffers made under torch.inference_mode cannot be written outside it.)
+    locked = room is not None and room.k.is_inference() and not torch.is_inference_mode_enabled()
+    if room is None or rows is not None or room.filled != t or room.k.size(2) == t or locked:
         # Reordered rows (beam search: at every step) get no room to spare: a fresh buffer's
         # pages are mapped as they are first written, and room would double them.
         N, h, _, d = k_new.shape

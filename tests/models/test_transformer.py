@@ -166,3 +166,15 @@ def test_a_state_stepped_twice_keeps_its_first_steps_result():
             ref, fresh, _ = model.decode_step(memory, fresh, batch.tgt_in[:, t])
     torch.testing.assert_close(again, ref, atol=1e-6, rtol=1e-5)
     assert not torch.allclose(a, b)
+
+
+def test_a_state_made_under_inference_mode_steps_outside_it():
+    model = tiny_model("transformer").eval()
+    batch = random_batch(B=2)
+    with torch.inference_mode():
+        memory = model.encode(batch.src, batch.src_pad_mask)
+        state = model.init_state(memory)
+        inside, _, _ = model.decode_step(memory, model.init_state(memory), batch.tgt_in[:, 0])
+    with torch.no_grad():  # the first step of `state`: its room was made in inference mode
+        outside, _, _ = model.decode_step(memory, state, batch.tgt_in[:, 0])
+    torch.testing.assert_close(outside, inside)
