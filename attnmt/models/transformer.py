@@ -211,10 +211,12 @@ def append_position(
     stay as they are, and is copied into buffers with ROOM positions to spare when it has
     none left. Beam search, which reorders the cached beams every step, copies them in the
     new order straight into the grown cache, reading and writing them once instead of twice
-    (index_select, then cat). A cache without a Room (an exported graph's) grows by torch.cat.
+    (index_select, then cat). A cache without a Room (an exported graph's), or one whose
+    gradient is taken, grows by torch.cat.
     """
     t, room = cache.self_k.size(2), cache.room
-    if room is None and rows is None:
+    grad = torch.is_grad_enabled() and k_new.requires_grad  # autograd keeps what it read
+    if rows is None and (room is None or grad):
         return LayerCache(torch.cat([cache.self_k, k_new], 2), torch.cat([cache.self_v, v_new], 2))
     # (Buffers made under torch.inference_mode cannot be written outside it.)
     locked = room is not None and room.k.is_inference() and not torch.is_inference_mode_enabled()

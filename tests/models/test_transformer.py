@@ -178,3 +178,16 @@ def test_a_state_made_under_inference_mode_steps_outside_it():
     with torch.no_grad():  # the first step of `state`: its room was made in inference mode
         outside, _, _ = model.decode_step(memory, state, batch.tgt_in[:, 0])
     torch.testing.assert_close(outside, inside)
+
+
+def test_gradients_flow_through_decoding_steps():
+    model = tiny_model("transformer").train()
+    batch = random_batch(B=2)
+    memory = model.encode(batch.src, batch.src_pad_mask)
+    state = model.init_state(memory)
+    total = 0.0
+    for t in range(3):
+        logits, state, _ = model.decode_step(memory, state, batch.tgt_in[:, t])
+        total = total + logits.logsumexp(-1).sum()
+    total.backward()  # no step wrote over what an earlier one's gradient needs
+    assert model.decoder_layers[0].self_attn.k_proj.weight.grad is not None
