@@ -20,9 +20,8 @@ project pins torch 2.13, where they are supported.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -46,18 +45,6 @@ def int8_tiles() -> bool:
     if probe is None or "onednn" not in torch.backends.quantized.supported_engines:
         return False
     return bool(probe())
-
-
-@contextlib.contextmanager
-def quantized_engine(name: str) -> Iterator[None]:
-    """torch's quantized engine (a process-wide setting) set to `name` for a block: weights
-    packed inside it are multiplied by that engine's kernels wherever they are used."""
-    before = torch.backends.quantized.engine
-    torch.backends.quantized.engine = name
-    try:
-        yield
-    finally:
-        torch.backends.quantized.engine = before
 
 
 class Int8Linear(nn.Module):
@@ -99,10 +86,16 @@ class Int8Linear(nn.Module):
         bias = None if self.bias is None else self.bias.index_select(0, index)
         return Int8Linear(q_rows, bias, not self.reduce_range)
 
-    def repack(self) -> None:
-        """Pack the weight again, for the quantized engine in use (quantized_engine)."""
-        self.packed = torch.ops.quantized.linear_prepack(self.q_weight, self.bias)
-        self.engine = torch.backends.quantized.engine
+    def repack(self, engine: str) -> None:
+        """Pack the weight again for `engine`'s kernels: torch's quantized engine (a
+        process-wide setting, read when weights are packed) is switched for the call."""
+        before = torch.backends.quantized.engine
+        torch.backends.quantized.engine = engine
+        try:
+            self.packed = torch.ops.quantized.linear_prepack(self.q_weight, self.bias)
+        finally:
+            torch.backends.quantized.engine = before
+        self.engine = engine
 
 
 class Int8GRU(torch.ao.nn.quantized.dynamic.GRU):
@@ -132,12 +125,12 @@ def pack_for_many_rows(modules: Iterable[nn.Module]) -> None:
     fbgemm (docs/benchmarks.md). The weights stay the same int8 rows and scales."""
     if not int8_tiles():
         return
-    with warnings.catch_warnings(), quantized_engine("onednn"):
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*quantiz.*")
         for module in modules:
             for layer in module.modules():
                 if isinstance(layer, Int8Linear):
-                    layer.repack()
+                    layer.repack("onednn")
 
 
 def _swap(module: nn.Module, full_range: bool) -> None:

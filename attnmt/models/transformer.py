@@ -166,6 +166,21 @@ class Room:
     v: torch.Tensor
     filled: int
 
+    @classmethod
+    def sized(cls, like: torch.Tensor, rows: int, capacity: int, filled: int) -> Room:
+        """Empty buffers (rows, h, capacity, d_h) shaped as `like` (., h, ., d_h)."""
+        h, d = like.size(1), like.size(3)
+        return cls(
+            like.new_empty(rows, h, capacity, d), like.new_empty(rows, h, capacity, d), filled
+        )
+
+    def takes(self, t: int) -> bool:
+        """Whether position t can be written in place: the cache holding t positions is the
+        last one written here, there is room past it, and torch allows the write (buffers made
+        under torch.inference_mode cannot be written outside it)."""
+        locked = self.k.is_inference() and not torch.is_inference_mode_enabled()
+        return self.filled == t and self.k.size(2) > t and not locked
+
 
 @dataclass
 class LayerCache:
@@ -218,14 +233,11 @@ def append_position(
     grad = torch.is_grad_enabled() and k_new.requires_grad  # autograd keeps what it read
     if rows is None and (room is None or grad):
         return LayerCache(torch.cat([cache.self_k, k_new], 2), torch.cat([cache.self_v, v_new], 2))
-    # (Buffers made under torch.inference_mode cannot be written outside it.)
-    locked = room is not None and room.k.is_inference() and not torch.is_inference_mode_enabled()
-    if room is None or rows is not None or room.filled != t or room.k.size(2) == t or locked:
+    if rows is not None or room is None or not room.takes(t):
         # Reordered rows (beam search: at every step) get no room to spare: a fresh buffer's
         # pages are mapped as they are first written, and room would double them.
-        N, h, _, d = k_new.shape
-        size = t + 1 + (ROOM if rows is None else 0)
-        room = Room(k_new.new_empty(N, h, size, d), v_new.new_empty(N, h, size, d), t)
+        spare = ROOM if rows is None else 0
+        room = Room.sized(k_new, k_new.size(0), t + 1 + spare, t)
         for old, buffer in ((cache.self_k, room.k), (cache.self_v, room.v)):
             if rows is None:
                 buffer[:, :, :t].copy_(old)
@@ -410,9 +422,10 @@ class TransformerSeq2Seq(Seq2Seq):
     # --- the seq2seq interface ---
 
     def source_side(self) -> list[nn.Module]:
-        cross = [m for layer in self.decoder_layers for m in (layer.cross_attn.k_proj,
-                                                             layer.cross_attn.v_proj)]  # fmt: skip
-        return [self.encoder_layers, *cross]
+        parts: list[nn.Module] = [self.encoder_layers]
+        for layer in self.decoder_layers:  # the encoder output's keys and values
+            parts += [layer.cross_attn.k_proj, layer.cross_attn.v_proj]
+        return parts
 
     def encode(self, src: torch.Tensor, src_pad_mask: torch.Tensor) -> TransformerMemory:
         x, mask = self.encode_hidden(src, src_pad_mask)  # (B, S, d), (B, 1, 1, S)
@@ -458,7 +471,7 @@ class TransformerSeq2Seq(Seq2Seq):
             if layer.ssru is not None:
                 caches.append(RecurrentCache(zeros))
                 continue
-            room = Room(k.new_empty(B, h, ROOM, d_h), k.new_empty(B, h, ROOM, d_h), 0)
+            room = Room.sized(k, B, ROOM, 0)
             caches.append(LayerCache(room.k[:, :, :0], room.v[:, :, :0], room))  # (B, h, 0, d_h)
         return TransformerState(caches, 0)
 
