@@ -55,6 +55,14 @@ class Ensemble(Seq2Seq):
     def select_state(self, state: list[Any], index: torch.Tensor) -> list[Any]:
         return [m.select_state(st, index) for m, st in zip(self.models, state, strict=True)]
 
+    def keep_rows(
+        self, memory: list[Any], state: list[Any], order: torch.Tensor
+    ) -> tuple[list[Any], list[Any]]:
+        kept = [
+            m.keep_rows(a, b, order) for m, a, b in zip(self.models, memory, state, strict=True)
+        ]
+        return [mem for mem, _ in kept], [st for _, st in kept]
+
     def join_memory(self, first: list[Any], second: list[Any]) -> list[Any]:
         return [m.join_memory(a, b) for m, a, b in zip(self.models, first, second, strict=True)]
 

@@ -25,6 +25,7 @@ from attnmt.decoding.search import (
     pick_output,
 )
 from attnmt.kernels import argmax_rows
+from attnmt.models.rows import kept_order
 from attnmt.models.seq2seq import Seq2Seq
 
 # Finished sentences leave the batch once this share of its rows has finished (1/8):
@@ -146,9 +147,9 @@ class GreedyPool:
         """Drop the rows of finished sentences."""
         if bool(self.live.all()):
             return
-        keep = self.live.nonzero().squeeze(1)  # (N',)
-        self.memory = self.model.select_memory(self.memory, keep)
-        self.state = self.model.select_state(self.state, keep)
+        # The last live rows take the finished rows' places: only they are copied.
+        keep = kept_order(self.live)  # (N',)
+        self.memory, self.state = self.model.keep_rows(self.memory, self.state, keep)
         self.ids = [self.ids[r] for r in keep.tolist()]
         for name in ("prev", "live", "steps", "limits", "total", "tokens", "attn", "forced"):
             if (value := getattr(self, name)) is not None:

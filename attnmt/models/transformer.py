@@ -20,7 +20,8 @@ from attnmt.data.batches import Batch
 from attnmt.data.tokenizer import PAD_ID
 from attnmt.kernels import Dropout, Linear, dropout_add, feed_forward, linear_cross_entropy
 from attnmt.models.attention import MultiHeadAttention, additive_mask, rotary
-from attnmt.models.seq2seq import AttentionSpec, Seq2Seq, gold_coins, pad_to
+from attnmt.models.rows import move_rows, moved_rows, put_rows, spare_rows, writable
+from attnmt.models.seq2seq import AttentionSpec, Seq2Seq, gold_coins
 from attnmt.models.ssru import SSRU
 
 
@@ -158,13 +159,21 @@ ROOM = 16
 
 @dataclass
 class Room:
-    """Buffers (N, h, capacity, d_h) whose first `filled` positions hold a cache's keys and
-    values. The next position is written in place once: a second step from the same cache
-    finds `filled` moved on and copies (append_position)."""
+    """Buffers (C, h, capacity, d_h) whose first N rows (N <= C: rows to spare for sentences
+    that join a running search, join_state) and positions start..filled-1 hold a cache's keys
+    and values (start > 0 once the positions before it are no row's: keep_rows). The next
+    position is written in place once: a second step from the same cache finds `filled` moved
+    on and copies (append_position)."""
 
     k: torch.Tensor
     v: torch.Tensor
     filled: int
+    start: int = 0
+
+    def cache(self, rows: int) -> LayerCache:
+        """The cache these buffers hold, of its first `rows` rows."""
+        at = slice(self.start, self.filled)
+        return LayerCache(self.k[:rows, :, at], self.v[:rows, :, at], self)
 
     @classmethod
     def sized(cls, like: torch.Tensor, rows: int, capacity: int, filled: int) -> Room:
@@ -174,12 +183,16 @@ class Room:
             like.new_empty(rows, h, capacity, d), like.new_empty(rows, h, capacity, d), filled
         )
 
+    def owns(self, t: int) -> bool:
+        """Whether the cache holding t positions may be changed in place: it is the last one
+        written here, and torch allows the write (buffers made under torch.inference_mode
+        cannot be written outside it)."""
+        return self.filled == self.start + t and writable(self.k)
+
     def takes(self, t: int) -> bool:
-        """Whether position t can be written in place: the cache holding t positions is the
-        last one written here, there is room past it, and torch allows the write (buffers made
-        under torch.inference_mode cannot be written outside it)."""
-        locked = self.k.is_inference() and not torch.is_inference_mode_enabled()
-        return self.filled == t and self.k.size(2) > t and not locked
+        """Whether the cache holding t positions can take the next in place: owns(t), and
+        there is room past it."""
+        return self.owns(t) and self.k.size(2) > self.filled
 
 
 @dataclass
@@ -190,17 +203,22 @@ class LayerCache:
 
 
 def stack_rows(
-    parts: list[tuple[torch.Tensor, torch.Tensor | None]], size: int, left: bool, spare: int = 0
+    parts: list[tuple[torch.Tensor, torch.Tensor | None]],
+    size: int,
+    left: bool,
+    spare: int = 0,
+    more_rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows of each part (x (N_i, h, L_i, d), at `rows` (M_i,) or all, in order), one
     part after another, as `size` positions each: a part's last `size` (left) or first ones,
     zeros where it has fewer -> (sum M_i, h, size, d), and the buffer it begins, with `spare`
-    positions more. One copy of each part, where cat after index_select and padding would
-    make three (joining a running search's caches)."""
+    positions more (and spare_rows more rows: more_rows). One copy of each part, where cat
+    after index_select and padding would make three (joining a running search's caches)."""
     x0 = parts[0][0]
     n = sum(x.size(0) if rows is None else rows.numel() for x, rows in parts)
-    buffer = x0.new_empty(n, x0.size(1), size + spare, x0.size(3))
-    out = buffer[:, :, :size]
+    capacity = n + spare_rows(n) if more_rows else n
+    buffer = x0.new_empty(capacity, x0.size(1), size + spare, x0.size(3))
+    out = buffer[:n, :, :size]
     at = 0
     for x, rows in parts:
         m, L = x.size(0) if rows is None else rows.numel(), min(size, x.size(2))
@@ -233,20 +251,23 @@ def append_position(
     grad = torch.is_grad_enabled() and k_new.requires_grad  # autograd keeps what it read
     if rows is None and (room is None or grad):
         return LayerCache(torch.cat([cache.self_k, k_new], 2), torch.cat([cache.self_v, v_new], 2))
+    N = k_new.size(0)
     if rows is not None or room is None or not room.takes(t):
         # Reordered rows (beam search: at every step) get no room to spare: a fresh buffer's
-        # pages are mapped as they are first written, and room would double them.
-        spare = ROOM if rows is None else 0
-        room = Room.sized(k_new, k_new.size(0), t + 1 + spare, t)
-        for old, buffer in ((cache.self_k, room.k), (cache.self_v, room.v)):
+        # pages are mapped as they are first written, and room would double them. Rows in
+        # order keep the rows to spare they had.
+        spare, capacity = (ROOM, N if room is None else room.k.size(0)) if rows is None else (0, N)
+        room = Room.sized(k_new, capacity, t + 1 + spare, t)
+        for old, buffer in ((cache.self_k, room.k[:N]), (cache.self_v, room.v[:N])):
             if rows is None:
                 buffer[:, :, :t].copy_(old)
             else:
                 torch.index_select(old, 0, rows, out=buffer[:, :, :t])
-    room.k[:, :, t : t + 1].copy_(k_new)
-    room.v[:, :, t : t + 1].copy_(v_new)
-    room.filled = t + 1
-    return LayerCache(room.k[:, :, : t + 1], room.v[:, :, : t + 1], room)
+    at = room.filled
+    room.k[:N, :, at : at + 1].copy_(k_new)
+    room.v[:N, :, at : at + 1].copy_(v_new)
+    room.filled = at + 1
+    return room.cache(N)
 
 
 class DecoderLayer(nn.Module):
@@ -357,6 +378,28 @@ class TransformerMemory:
     # Per decoder layer, the encoder output projected into cross-attention keys and values,
     # (B, h, S, d_h) each: computed once per sentence, used by every decoding step.
     cross: list[tuple[torch.Tensor, torch.Tensor]]
+    # The tensors whose first B rows the above are (C >= B rows: rows to spare for sentences
+    # that join a running search, join_memory): src_mask's, then each layer's keys and values.
+    # None: the tensors themselves.
+    buffers: list[torch.Tensor] | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """src_mask, then each layer's keys and values."""
+        return [self.src_mask, *(x for kv in self.cross for x in kv)]
+
+    @classmethod
+    def first_rows(cls, buffers: list[torch.Tensor], n: int) -> TransformerMemory:
+        """The memory that is the first n rows of `buffers` (as tensors() lists them)."""
+        rows = [b[:n] for b in buffers]
+        return cls(rows[0], list(zip(rows[1::2], rows[2::2], strict=True)), buffers)
+
+    def put(self, at: int, other: TransformerMemory) -> None:
+        """Write other's rows into this memory's buffers, from row `at`, padded to its width."""
+        assert self.buffers is not None
+        mask, *cross = zip(self.buffers, other.tensors(), strict=True)
+        put_rows(mask[0], at, mask[1], dim=3, fill=-torch.inf)  # (B, 1, 1, S)
+        for buffer, x in cross:
+            put_rows(buffer, at, x, dim=2, fill=0.0)  # (B, h, S, d_h)
 
 
 @dataclass
@@ -381,6 +424,34 @@ def _per_row(state: TransformerState) -> torch.Tensor:
         rows = c.c if isinstance(c, RecurrentCache) else c.self_k  # (N, ...)
         n, device = rows.size(0), rows.device
     return torch.full((n,), state.position, device=device)
+
+
+def _join_in_place(
+    first: TransformerState, second: TransformerState, position: torch.Tensor
+) -> TransformerState | None:
+    """join_state without copying first's caches: second's rows, which have decoded no
+    position, written as zeros (masked) into the rows first's buffers have to spare; None
+    where that cannot be done (rows pending reorder, no room, buffers shared or locked)."""
+    fresh = isinstance(second.position, int) and second.position == 0
+    if first.rows is not None or second.rows is not None or not fresh:
+        return None
+    n = position.numel()
+    for c in first.caches:
+        if isinstance(c, LayerCache) and not (
+            c.room is not None and c.room.owns(c.self_k.size(2)) and c.room.k.size(0) >= n
+        ):
+            return None
+    caches: list[LayerCache | RecurrentCache] = []
+    for x, y in zip(first.caches, second.caches, strict=True):
+        if isinstance(x, RecurrentCache) and isinstance(y, RecurrentCache):
+            caches.append(RecurrentCache(torch.cat([x.c, y.c])))  # (N1 + N2, d)
+            continue
+        assert isinstance(x, LayerCache) and x.room is not None
+        joined = x.room.cache(n)  # (N1 + N2, h, t, d_h)
+        joined.self_k[x.self_k.size(0) :].zero_()
+        joined.self_v[x.self_v.size(0) :].zero_()
+        caches.append(joined)
+    return TransformerState(caches, position)
 
 
 class TransformerSeq2Seq(Seq2Seq):
@@ -471,8 +542,7 @@ class TransformerSeq2Seq(Seq2Seq):
             if layer.ssru is not None:
                 caches.append(RecurrentCache(zeros))
                 continue
-            room = Room.sized(k, B, ROOM, 0)
-            caches.append(LayerCache(room.k[:, :, :0], room.v[:, :, :0], room))  # (B, h, 0, d_h)
+            caches.append(Room.sized(k, B, ROOM, 0).cache(B))  # (B, h, 0, d_h)
         return TransformerState(caches, 0)
 
     def decode_step(
@@ -518,25 +588,70 @@ class TransformerSeq2Seq(Seq2Seq):
             position = position.index_select(0, index)  # (N',)
         return TransformerState(state.caches, position, rows)
 
+    def keep_rows(
+        self, memory: TransformerMemory, state: TransformerState, order: torch.Tensor
+    ) -> tuple[TransformerMemory, TransformerState]:
+        """Only the rows that change place are copied, within the tensors' own storage
+        (memory and state are not to be used again; order: rows.kept_order's), and the
+        caches drop the positions no row kept has: a view, no copy."""
+        moved = moved_rows(order)  # (M,)
+        buffers = memory.buffers or memory.tensors()
+        if not writable(buffers[0]):
+            return self.select_memory(memory, order), self.select_state(state, order)
+        for b in buffers:
+            move_rows(b, order, moved)
+        memory = TransformerMemory.first_rows(buffers, order.numel())
+        if state.rows is not None or not all(
+            isinstance(c, RecurrentCache) or (c.room is not None and c.room.owns(c.self_k.size(2)))
+            for c in state.caches
+        ):
+            return memory, self.select_state(state, order)
+        position = state.position
+        if not isinstance(position, int):
+            position = position.index_select(0, order)  # (N',)
+        caches: list[LayerCache | RecurrentCache] = []
+        for c in state.caches:
+            if isinstance(c, RecurrentCache):
+                caches.append(RecurrentCache(c.c.index_select(0, order)))
+                continue
+            assert c.room is not None
+            move_rows(c.self_k, order, moved)  # (N', h, t, d_h): rows of the buffers
+            move_rows(c.self_v, order, moved)
+            unused = 0 if isinstance(position, int) else c.self_k.size(2) - int(position.max())
+            c.room.start += unused  # each row's positions are the last position[n]
+            caches.append(c.room.cache(order.numel()))
+        return memory, TransformerState(caches, position)
+
     def join_memory(self, first: TransformerMemory, second: TransformerMemory) -> TransformerMemory:
-        S = max(first.src_mask.size(-1), second.src_mask.size(-1))
-        mask = [pad_to(m.src_mask, 3, S, -torch.inf) for m in (first, second)]  # (B_i, 1, 1, S)
-        cross = [
-            tuple(
-                stack_rows([(a, None), (b, None)], S, left=False)[0]
-                for a, b in zip(x, y, strict=True)
-            )
-            for x, y in zip(first.cross, second.cross, strict=True)
-        ]  # (B1 + B2, h, S, d_h): the padding is masked, so each row attends as before
-        return TransformerMemory(torch.cat(mask), cross)  # type: ignore[arg-type]
+        """Second's rows are written after first's, in first's buffers where they fit (rows
+        to spare, a source as wide; first is not to be used again), else both are copied into
+        buffers with rows to spare. The padding is masked: each row attends as before."""
+        N1, N2 = first.src_mask.size(0), second.src_mask.size(0)
+        S1, S2 = first.src_mask.size(-1), second.src_mask.size(-1)
+        buffers = first.buffers or first.tensors()
+        if buffers[0].size(0) >= N1 + N2 and S2 <= S1 and writable(buffers[0]):
+            joined = TransformerMemory.first_rows(buffers, N1 + N2)
+        else:
+            C, S = N1 + N2 + spare_rows(N1 + N2), max(S1, S2)
+            new = [buffers[0].new_empty(C, 1, 1, S)]  # src_mask's
+            new += [x.new_empty(C, x.size(1), S, x.size(3)) for x in buffers[1:]]
+            joined = TransformerMemory.first_rows(new, N1 + N2)
+            joined.put(0, first)
+        joined.put(N1, second)
+        return joined
 
     def join_state(self, first: TransformerState, second: TransformerState) -> TransformerState:
         """Rows of both, each with its own position: the caches are padded at the start (the
         positions a row does not have, masked in its self-attention; _joined_mask), then cut
         to the longest row's positions. Pending row orders (select_state) are applied in the
-        same copy."""
+        same copy. Newcomers that have decoded nothing join in first's buffers where they
+        have rows to spare (first is not to be used again)."""
         position = torch.cat([_per_row(first), _per_row(second)])  # (N1 + N2,)
+        if (joined := _join_in_place(first, second, position)) is not None:
+            return joined
         t = int(position.max())
+        # Rows to spare for later newcomers, unless the next step reorders rows (beam search).
+        more = first.rows is None and second.rows is None
         caches: list[LayerCache | RecurrentCache] = []
         for x, y in zip(first.caches, second.caches, strict=True):
             if isinstance(x, RecurrentCache) and isinstance(y, RecurrentCache):
@@ -546,10 +661,10 @@ class TransformerSeq2Seq(Seq2Seq):
                 continue
             assert isinstance(x, LayerCache) and isinstance(y, LayerCache)
             k, k_room = stack_rows(
-                [(x.self_k, first.rows), (y.self_k, second.rows)], t, left=True, spare=ROOM
+                [(x.self_k, first.rows), (y.self_k, second.rows)], t, True, ROOM, more
             )  # (N1 + N2, h, t, d_h)
             v, v_room = stack_rows(
-                [(x.self_v, first.rows), (y.self_v, second.rows)], t, left=True, spare=ROOM
+                [(x.self_v, first.rows), (y.self_v, second.rows)], t, True, ROOM, more
             )  # (N1 + N2, h, t, d_h)
             caches.append(LayerCache(k, v, Room(k_room, v_room, t)))
         return TransformerState(caches, position)

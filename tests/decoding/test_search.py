@@ -143,9 +143,9 @@ def test_greedy_drops_finished_rows_late_without_changing_them(trained, share, m
     ]
     monkeypatch.setattr(greedy, "COMPACT_SHARE", share)
     dropped: list[int] = []
-    select = model.select_memory
+    keep = model.keep_rows
     monkeypatch.setattr(
-        model, "select_memory", lambda m, idx: dropped.append(len(idx)) or select(m, idx)
+        model, "keep_rows", lambda m, s, idx: dropped.append(len(idx)) or keep(m, s, idx)
     )
     batch = greedy_search(model, src, pad, SearchOptions(attention=AttentionSpec(), max_len_b=5))
     assert [h.tokens for h in batch] == [h.tokens for h in alone] * 3

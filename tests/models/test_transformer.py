@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from attnmt.models.rows import kept_order
 from attnmt.models.seq2seq import AttentionSpec, sequence_loss
 from attnmt.models.transformer import ROOM, LayerCache, Room, append_position, sinusoid_table
 
@@ -191,3 +192,88 @@ def test_gradients_flow_through_decoding_steps():
         total = total + logits.logsumexp(-1).sum()
     total.backward()  # no step wrote over what an earlier one's gradient needs
     assert model.decoder_layers[0].self_attn.k_proj.weight.grad is not None
+
+
+def _alone(model, src, pad, tokens, n):
+    """One sentence (src (S,), pad (S,)) decoded by itself over tokens[:n + 1]: the last
+    step's logits (V,)."""
+    memory = model.encode(src[None], pad[None])
+    state = model.init_state(memory)
+    for t in range(n + 1):
+        logits, state, _ = model.decode_step(memory, state, tokens[None, t])
+    return logits[0]
+
+
+def _step_rows(model, memory, state, rows, done):
+    """One step of a pool whose row i is rows[i] = (src, pad, tokens), done[i] positions in;
+    checks each row's logits against the row decoded alone."""
+    prev = torch.stack([tokens[n] for (_, _, tokens), n in zip(rows, done, strict=True)])
+    logits, state, _ = model.decode_step(memory, state, prev)
+    for i, ((src, pad, tokens), n) in enumerate(zip(rows, done, strict=True)):
+        torch.testing.assert_close(
+            logits[i], _alone(model, src, pad, tokens, n), atol=1e-5, rtol=1e-5
+        )
+        done[i] += 1
+    return state
+
+
+def _pool_inputs():
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(4, V, (6, 7), generator=g)
+    a[1, 4:] = 0  # PAD_ID
+    b = torch.randint(4, V, (2, 5), generator=g)
+    b[0, 3:] = 0
+    return a, b, torch.randint(4, V, (6, 6), generator=g), torch.randint(4, V, (2, 5), generator=g)
+
+
+def test_rows_leave_and_join_a_running_search_in_place():
+    """Finished rows leave (keep_rows: the last live rows take their places) and newcomers
+    join (join_memory, join_state: into the rows to spare) without a copy of the rows that
+    stay: the memory and caches keep their storage, the caches drop the positions no row
+    has any more, and every row decodes as it would alone."""
+    model = tiny_model("transformer").eval()
+    a, b, ta, tb = _pool_inputs()
+    rows = [(a[r], a[r] == 0, ta[r]) for r in range(6)]
+    with torch.no_grad():
+        memory = model.encode(a, a == 0)
+        state, done = model.init_state(memory), [0] * 6
+        for _ in range(2):
+            state = _step_rows(model, memory, state, rows, done)
+        where = memory.cross[0][0].data_ptr(), state.caches[0].self_k.data_ptr()
+        order = kept_order(torch.tensor([True, False, True, False, True, True]))
+        assert order.tolist() == [0, 4, 2, 5]
+        memory, state = model.keep_rows(memory, state, order)
+        assert (memory.cross[0][0].data_ptr(), state.caches[0].self_k.data_ptr()) == where
+        rows, done = [rows[r] for r in order.tolist()], [done[r] for r in order.tolist()]
+        joining = model.encode(b, b == 0)
+        memory = model.join_memory(memory, joining)
+        state = model.join_state(state, model.init_state(joining))
+        assert (memory.cross[0][0].data_ptr(), state.caches[0].self_k.data_ptr()) == where
+        rows, done = rows + [(b[i], b[i] == 0, tb[i]) for i in range(2)], [*done, 0, 0]
+        for _ in range(2):
+            state = _step_rows(model, memory, state, rows, done)
+        memory, state = model.keep_rows(
+            memory, state, kept_order(torch.tensor([False] * 4 + [True] * 2))
+        )
+        assert state.caches[0].self_k.size(2) == 2  # the newcomers' own positions only
+        _step_rows(model, memory, state, rows[4:], done[4:])
+
+
+def test_rows_made_under_inference_mode_leave_and_join_outside_it_by_copies():
+    """torch does not let inference-mode tensors be written outside it: keep_rows and the
+    joins copy them instead, with the same result."""
+    model = tiny_model("transformer").eval()
+    a, b, ta, tb = _pool_inputs()
+    rows, done = [(a[r], a[r] == 0, ta[r]) for r in range(6)], [0] * 6
+    with torch.inference_mode():
+        memory = model.encode(a, a == 0)
+        state = _step_rows(model, memory, model.init_state(memory), rows, done)
+        joining = model.encode(b, b == 0)
+        new_state = model.init_state(joining)
+    with torch.no_grad():
+        order = kept_order(torch.tensor([False, True, True, True, True, True]))
+        memory, state = model.keep_rows(memory, state, order)
+        rows, done = [rows[r] for r in order.tolist()], [done[r] for r in order.tolist()]
+        memory, state = model.join_memory(memory, joining), model.join_state(state, new_state)
+        rows, done = rows + [(b[i], b[i] == 0, tb[i]) for i in range(2)], [*done, 0, 0]
+        _step_rows(model, memory, state, rows, done)
