@@ -17,6 +17,7 @@ from attnmt.decoding.search import (
     Hypothesis,
     SearchOptions,
     append_attention,
+    encode_joining,
     forced_at,
     join_forced,
     length_penalty,
@@ -70,7 +71,9 @@ class BeamPool:
         the pool is constrained) and add its sentences; returns their ids (step's keys)."""
         B, K, device, model = src.size(0), self.K, src.device, self.model
         assert (wanted is not None) == self.constrained
-        memory = model.encode(src, src_pad_mask)  # one row per sentence, shared by its beams
+        memory = encode_joining(
+            model, src, src_pad_mask
+        )  # one row per sentence, shared by its beams
         beams_of = torch.arange(B, device=device).repeat_interleave(K)  # (B * K,)
         state = model.select_state(model.init_state(memory), beams_of)
         scores = torch.full((B, K), float("-inf"), device=device)  # summed log-probs

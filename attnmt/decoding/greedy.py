@@ -18,6 +18,7 @@ from attnmt.decoding.search import (
     Sampling,
     SearchOptions,
     append_attention,
+    encode_joining,
     forced_at,
     join_forced,
     max_output_lengths,
@@ -66,7 +67,7 @@ class GreedyPool:
         """Encode a batch (src (B, S), src_pad_mask (B, S), prefixes (B, P) or None) and add
         its sentences; returns their ids (step's keys)."""
         B, device, model = src.size(0), src.device, self.model
-        memory = model.encode(src, src_pad_mask)
+        memory = encode_joining(model, src, src_pad_mask)
         new = {
             "state": model.init_state(memory),
             "prev": torch.full((B,), model.bos_id, dtype=torch.long, device=device),

@@ -51,6 +51,11 @@ class Seq2Seq(nn.Module):
         """Encode a (B, S) batch of source ids; returns an arch-specific memory object."""
         raise NotImplementedError
 
+    def encode_packed(self, src: torch.Tensor, src_pad_mask: torch.Tensor, packing: Any) -> Any:
+        """encode, with the sentences packed one after another into packing's rows
+        (attnmt.models.packing.Packing); None where the architecture does not pack."""
+        return None
+
     def init_state(self, memory: Any) -> Any:
         """The decoder state before the first target token."""
         raise NotImplementedError

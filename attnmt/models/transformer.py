@@ -20,6 +20,7 @@ from attnmt.data.batches import Batch
 from attnmt.data.tokenizer import PAD_ID
 from attnmt.kernels import Dropout, Linear, dropout_add, feed_forward, linear_cross_entropy
 from attnmt.models.attention import MultiHeadAttention, additive_mask, rotary
+from attnmt.models.packing import Packing
 from attnmt.models.rows import move_rows, moved_rows, put_rows, spare_rows, writable
 from attnmt.models.seq2seq import AttentionSpec, Seq2Seq, gold_coins
 from attnmt.models.ssru import SSRU
@@ -72,21 +73,28 @@ class Embeddings(nn.Module):
 
     def forward(self, tokens: torch.Tensor, offset: int | torch.Tensor = 0) -> torch.Tensor:
         """tokens (B, T) at positions offset..offset+T-1 -> (B, T, d); `offset` may be per
-        row, (B,) (sentences that joined a running search at other steps)."""
+        row, (B,) (sentences that joined a running search at other steps), or each token's
+        position, (B, T) (sentences packed one after another: encode_packed)."""
         if self.layout == "rope":
             return self.dropout(self.embed(tokens) * self.scale)  # (B, T, d)
         T = tokens.size(1)
+        if isinstance(offset, torch.Tensor) and offset.dim() == 2:
+            at = offset  # (B, T): each token's own position
+            offset = offset.amin(dim=1)  # (B,): the table must reach offset + T
+        else:
+            at = None
         end = offset + T if isinstance(offset, int) else int(offset.max()) + T
         if end > self.pe.size(0):
             pe = sinusoid_table(end, self.pe.size(1), layout=self.layout)
             pe = pe.to(self.pe.device, self.pe.dtype)
         else:
             pe = self.pe
-        at = (
-            pe[offset : offset + T]
-            if isinstance(offset, int)
-            else pe[positions_of(T, offset, pe.device)]
-        )
+        if at is not None:
+            at = pe[at]  # (B, T, d)
+        elif isinstance(offset, int):
+            at = pe[offset : offset + T]  # (T, d)
+        else:
+            at = pe[positions_of(T, offset, pe.device)]  # (B, T, d)
         x = self.embed(tokens) * self.scale + at  # (B, T, d)
         return self.dropout(x)
 
@@ -141,11 +149,16 @@ class EncoderLayer(nn.Module):
         self.res_ff = Residual(d, cfg.dropout, pre)
         self.rope = cfg.positions == "rope"
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x (B, S, d), mask additive (B, 1, 1, S) -> (B, S, d)."""
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x (B, S, d), mask additive (B, 1, 1, S) or (B, 1, S, S) -> (B, S, d); positions
+        (B, S): each position's own (packed sentences), else 0..S-1."""
         h = self.res_attn.normed_input(x)
         k, v = self.self_attn.project_kv(h, h)  # (B, h, S, d_h)
-        at = positions_of(x.size(1), 0, x.device) if self.rope else None  # (S,)
+        at = None
+        if self.rope:
+            at = positions if positions is not None else positions_of(x.size(1), 0, x.device)
         if at is not None:
             k = rotary(k, at)  # (B, h, S, d_h)
         x = self.res_attn.add(x, self.self_attn.attend(h, k, v, mask, q_positions=at)[0])
@@ -502,6 +515,24 @@ class TransformerSeq2Seq(Seq2Seq):
         x, mask = self.encode_hidden(src, src_pad_mask)  # (B, S, d), (B, 1, 1, S)
         # Decoding needs the encoder output only as these keys and values.
         cross = [layer.cross_attn.project_kv(x, x) for layer in self.decoder_layers]
+        return TransformerMemory(mask, cross)
+
+    def encode_packed(
+        self, src: torch.Tensor, src_pad_mask: torch.Tensor, packing: Packing
+    ) -> TransformerMemory:
+        """encode(src, src_pad_mask) with the sentences packed one after another (packing:
+        attnmt.models.packing): the products see no padding, attention stays within each
+        sentence, and every position keeps its place in its sentence."""
+        x = self.src_embed(packing.pack(src, self.pad_id), packing.positions)  # (P, L, d)
+        for layer in self.encoder_layers:
+            x = layer(x, packing.mask, packing.positions)
+        x = self.enc_norm(x)  # (P, L, d)
+        cross = []
+        for layer in self.decoder_layers:
+            k, v = layer.cross_attn.project_kv(x, x)  # (P, h, L, d_h)
+            cross.append((packing.unpack(k), packing.unpack(v)))  # (B, h, S, d_h)
+        mask = additive_mask(src_pad_mask, None, x.dtype)  # (B, 1, 1, S)
+        assert mask is not None
         return TransformerMemory(mask, cross)
 
     def encode_hidden(

@@ -97,6 +97,23 @@ def test_sentences_that_join_later_get_the_batch_paths_output(arch, method):
 
 
 @pytest.mark.parametrize("method", [Greedy(), Beam(3)], ids=["greedy", "beam"])
+def test_newcomers_of_mixed_lengths_are_packed_and_decode_as_alone(method, monkeypatch):
+    """Groups that are mostly padding are encoded packed (attnmt.models.packing)."""
+    model = tiny_model("transformer").eval()
+    src = [s if i % 3 else s * 4 for i, s in enumerate(sources(12, seed=3))]  # long and short
+    packed = []
+    encode_packed = model.encode_packed
+    monkeypatch.setattr(
+        model, "encode_packed", lambda *a: packed.append(a[0].size(0)) or encode_packed(*a)
+    )
+    options = SearchOptions(method, max_len_a=1.0, max_len_b=4, attention=AttentionSpec())
+    want = alone(model, src, options)
+    assert not packed  # one sentence at a time: nothing to pack
+    assert_same(pooled(model, src, options, joins=[0, 1, 3]), want)
+    assert packed
+
+
+@pytest.mark.parametrize("method", [Greedy(), Beam(3)], ids=["greedy", "beam"])
 def test_prefixes_are_forced_from_each_sentences_own_first_step(method):
     model = tiny_model("transformer").eval()
     src = sources(6, seed=1)
