@@ -28,14 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnmt.data.tokenizer import PAD_ID
+from attnmt.models.decoding_state import LayerCache, RecurrentCache
 from attnmt.models.rnn import RNNMemory, RNNSeq2Seq
 from attnmt.models.seq2seq import Seq2Seq
-from attnmt.models.transformer import (
-    LayerCache,
-    RecurrentCache,
-    TransformerSeq2Seq,
-    sinusoid_table,
-)
+from attnmt.models.transformer import TransformerSeq2Seq, sinusoid_table
 
 MAX_POSITIONS = 512  # target positions a Transformer decoder graph can embed
 

@@ -1,9 +1,10 @@
 import pytest
 import torch
 
+from attnmt.models.decoding_state import ROOM, LayerCache, Room, append_position
 from attnmt.models.rows import kept_order
 from attnmt.models.seq2seq import AttentionSpec, sequence_loss
-from attnmt.models.transformer import ROOM, LayerCache, Room, append_position, sinusoid_table
+from attnmt.models.transformer import sinusoid_table
 
 from helpers import V, random_batch, stepwise_logits, tiny_model
 
