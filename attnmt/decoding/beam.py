@@ -26,6 +26,7 @@ from attnmt.decoding.search import (
     step_log_probs,
 )
 from attnmt.kernels import topk_rows
+from attnmt.models.rows import kept_order
 from attnmt.models.seq2seq import Seq2Seq
 
 
@@ -157,12 +158,16 @@ class BeamPool:
         if len(keep) == n:
             self.state = model.select_state(state, rows)
             return done
-        keep_t = torch.tensor(keep, dtype=torch.long, device=device)
-        keep_rows = (keep_t.unsqueeze(1) * K + torch.arange(K, device=device)).view(-1)
-        self.ids = [self.ids[r] for r in keep]
         if not keep:
+            self.ids = []
             return done
-        self.memory = model.select_memory(self.memory, keep_t)
+        # The last sentences kept take the places of those done: only they are copied.
+        live = torch.zeros(n, dtype=torch.bool)
+        live[keep] = True
+        keep_t = kept_order(live).to(device)  # (n',)
+        keep_rows = (keep_t.unsqueeze(1) * K + torch.arange(K, device=device)).view(-1)
+        self.ids = [self.ids[r] for r in keep_t.tolist()]
+        self.memory = model.keep_memory(self.memory, keep_t)
         # One gather of the decoder state: the reordered beams of the sentences kept.
         self.state = model.select_state(state, rows[keep_rows])
         self.scores, self.limits, self.steps = (

@@ -55,6 +55,9 @@ class Ensemble(Seq2Seq):
     def select_state(self, state: list[Any], index: torch.Tensor) -> list[Any]:
         return [m.select_state(st, index) for m, st in zip(self.models, state, strict=True)]
 
+    def keep_memory(self, memory: list[Any], order: torch.Tensor) -> list[Any]:
+        return [m.keep_memory(mem, order) for m, mem in zip(self.models, memory, strict=True)]
+
     def keep_rows(
         self, memory: list[Any], state: list[Any], order: torch.Tensor
     ) -> tuple[list[Any], list[Any]]:

@@ -197,10 +197,11 @@ def join_in_place(
     first: TransformerState, second: TransformerState, position: torch.Tensor
 ) -> TransformerState | None:
     """join_state without copying first's caches: second's rows, which have decoded no
-    position, written as zeros (masked) into the rows first's buffers have to spare; None
-    where that cannot be done (rows pending reorder, no room, buffers shared or locked)."""
+    position (their pending order matters only to an SSRU's state), written as zeros (masked)
+    into the rows first's buffers have to spare; None where that cannot be done (first's
+    rows pending reorder, no room, buffers shared or locked)."""
     fresh = isinstance(second.position, int) and second.position == 0
-    if first.rows is not None or second.rows is not None or not fresh:
+    if first.rows is not None or not fresh:
         return None
     n = position.numel()
     for c in first.caches:
@@ -211,7 +212,8 @@ def join_in_place(
     caches: list[LayerCache | RecurrentCache] = []
     for x, y in zip(first.caches, second.caches, strict=True):
         if isinstance(x, RecurrentCache) and isinstance(y, RecurrentCache):
-            caches.append(RecurrentCache(torch.cat([x.c, y.c])))  # (N1 + N2, d)
+            c = y.c if second.rows is None else y.c.index_select(0, second.rows)
+            caches.append(RecurrentCache(torch.cat([x.c, c])))  # (N1 + N2, d)
             continue
         assert isinstance(x, LayerCache) and x.room is not None
         joined = x.room.cache(n)  # (N1 + N2, h, t, d_h)

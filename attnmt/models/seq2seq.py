@@ -80,12 +80,16 @@ class Seq2Seq(nn.Module):
         """Keep rows `index` (B',) of the decoder state (reorder beams, drop finished rows)."""
         raise NotImplementedError
 
+    def keep_memory(self, memory: Any, order: torch.Tensor) -> Any:
+        """select_memory for a memory not used again (rows leaving a running search): a
+        model may move only the rows that change place (order[i] != i), within its tensors."""
+        return self.select_memory(memory, order)
+
     def keep_rows(self, memory: Any, state: Any, order: torch.Tensor) -> tuple[Any, Any]:
-        """select_memory and select_state at once, for rows leaving a running search:
-        order (N',) from rows.kept_order (where order[i] == i the row stays). A model may
-        move only the rows that change place, within memory's and state's own tensors: the
-        memory and state given are not to be used again."""
-        return self.select_memory(memory, order), self.select_state(state, order)
+        """keep_memory and select_state at once, for rows leaving a running search: order
+        (N',) from rows.kept_order (where order[i] == i the row stays). A model may move
+        only the rows that change place in the state too: it is not used again."""
+        return self.keep_memory(memory, order), self.select_state(state, order)
 
     def join_memory(self, first: Any, second: Any) -> Any:
         """The rows of `first`, then those of `second` (sources of other lengths: padded)."""
