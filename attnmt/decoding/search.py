@@ -143,12 +143,14 @@ def join_forced(
 
 
 def append_attention(history: torch.Tensor | None, step: torch.Tensor) -> torch.Tensor:
-    """A pool's attention history (N, t, S) with this step's (N, S) appended; newcomers may
-    have brought longer sources, so the history is padded to the step's S first."""
-    a = step.float().unsqueeze(1)  # (N, 1, S)
+    """A pool's attention history (N, t, S) with this step's (N, S') appended; newcomers may
+    have brought longer sources, and the longest may have left: both are padded to the wider
+    (with zeros: no row attends past its source)."""
+    a = step.float().unsqueeze(1)  # (N, 1, S')
     if history is None:
         return a
-    return torch.cat([pad_to(history, 2, a.size(2), 0.0), a], dim=1)  # (N, t+1, S)
+    S = max(history.size(2), a.size(2))
+    return torch.cat([pad_to(history, 2, S, 0.0), pad_to(a, 2, S, 0.0)], dim=1)  # (N, t+1, S)
 
 
 def keep_forced(values: torch.Tensor, tokens: torch.Tensor) -> None:

@@ -157,8 +157,24 @@ class TransformerMemory:
     @classmethod
     def first_rows(cls, buffers: list[torch.Tensor], n: int) -> TransformerMemory:
         """The memory that is the first n rows of `buffers` (as tensors() lists them)."""
-        rows = [b[:n] for b in buffers]
-        return cls(rows[0], list(zip(rows[1::2], rows[2::2], strict=True)), buffers)
+        mask, *cross = (b[:n] for b in buffers)
+        return cls(mask, list(zip(cross[0::2], cross[1::2], strict=True)), buffers)
+
+    def resized(self, rows: int, width: int) -> TransformerMemory:
+        """This memory copied into new buffers of `rows` rows (its own first, the others
+        to spare) and `width` source positions (past its own: masked padding; fewer than
+        its own: only positions that no row attends to are left out, see used_width)."""
+        mask, *cross = self.tensors()
+        new = [mask.new_empty(rows, 1, 1, width)]  # src_mask's
+        new += [x.new_empty(rows, x.size(1), width, x.size(3)) for x in cross]
+        resized = TransformerMemory.first_rows(new, mask.size(0))
+        resized.put(0, self)
+        return resized
+
+    def used_width(self) -> int:
+        """Source positions up to the last one a row attends to (not masked)."""
+        used = (self.src_mask[:, 0, 0] == 0).any(dim=0).nonzero()  # (U, 1)
+        return int(used[-1]) + 1 if used.numel() else 0
 
     def put(self, at: int, other: TransformerMemory) -> None:
         """Write other's rows into this memory's buffers, from row `at`, padded to its width."""

@@ -56,8 +56,8 @@ def move_rows(x: torch.Tensor, order: torch.Tensor, moved: torch.Tensor) -> torc
 
 def put_rows(buffer: torch.Tensor, at: int, x: torch.Tensor, dim: int, fill: float) -> None:
     """Write x's rows into buffer's rows at.. (both (., ..., width, ...), the width in `dim`),
-    x's positions first and `fill` in the buffer's positions past x's."""
-    width = x.size(dim)
+    x's positions first (as many as the buffer is wide) and `fill` in the buffer's past x's."""
+    width = min(x.size(dim), buffer.size(dim))
     rows = buffer[at : at + x.size(0)]
-    rows.narrow(dim, 0, width).copy_(x)
+    rows.narrow(dim, 0, width).copy_(x.narrow(dim, 0, width))
     rows.narrow(dim, width, buffer.size(dim) - width).fill_(fill)

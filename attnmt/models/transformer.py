@@ -274,6 +274,10 @@ class DecoderLayer(nn.Module):
         return x, new_cache, weights
 
 
+# A pool's memory is copied narrower once its rows need this share of its width or less.
+NARROWER = 0.75
+
+
 class TransformerSeq2Seq(Seq2Seq):
     """Encoder and decoder stacks; target embedding tied to the output projection (and to the
     source embedding when the vocabulary is joint) when model.tie_embeddings is set."""
@@ -434,7 +438,14 @@ class TransformerSeq2Seq(Seq2Seq):
         moved = moved_rows(order)  # (M,)
         for b in buffers:
             move_rows(b, order, moved)
-        return TransformerMemory.first_rows(buffers, order.numel())
+        kept = TransformerMemory.first_rows(buffers, order.numel())
+        # The widest sources may have left: a pool that could be a quarter narrower is
+        # copied as narrow as it can be (a narrower view of the same buffers would make
+        # attention read strided rows at every step, slower than the unused positions).
+        width = kept.used_width()
+        if width > NARROWER * buffers[0].size(-1):
+            return kept
+        return kept.resized(order.numel() + spare_rows(order.numel()), width)
 
     def _move_state_rows(self, state: TransformerState, index: torch.Tensor) -> TransformerState:
         """select_state(state, index) with only the rows that change place (index[i] != i)
@@ -483,19 +494,17 @@ class TransformerSeq2Seq(Seq2Seq):
 
     def join_memory(self, first: TransformerMemory, second: TransformerMemory) -> TransformerMemory:
         """Second's rows are written after first's, in first's buffers where they fit (rows
-        to spare, a source as wide; first is not to be used again), else both are copied into
+        to spare, sources no wider; first is not to be used again), else both are copied into
         buffers with rows to spare. The padding is masked: each row attends as before."""
         N1, N2 = first.src_mask.size(0), second.src_mask.size(0)
         S1, S2 = first.src_mask.size(-1), second.src_mask.size(-1)
         buffers = first.buffers or first.tensors()
-        if buffers[0].size(0) >= N1 + N2 and S2 <= S1 and writable(buffers[0]):
+        if buffers[0].size(0) >= N1 + N2 and S1 >= S2 and writable(buffers[0]):
             joined = TransformerMemory.first_rows(buffers, N1 + N2)
         else:
-            C, S = N1 + N2 + spare_rows(N1 + N2), max(S1, S2)
-            new = [buffers[0].new_empty(C, 1, 1, S)]  # src_mask's
-            new += [x.new_empty(C, x.size(1), S, x.size(3)) for x in buffers[1:]]
-            joined = TransformerMemory.first_rows(new, N1 + N2)
-            joined.put(0, first)
+            rows = first.resized(N1 + N2 + spare_rows(N1 + N2), max(S1, S2)).buffers
+            assert rows is not None
+            joined = TransformerMemory.first_rows(rows, N1 + N2)
         joined.put(N1, second)
         return joined
 

@@ -278,3 +278,23 @@ def test_rows_made_under_inference_mode_leave_and_join_outside_it_by_copies():
         memory, state = model.join_memory(memory, joining), model.join_state(state, new_state)
         rows, done = rows + [(b[i], b[i] == 0, tb[i]) for i in range(2)], [*done, 0, 0]
         _step_rows(model, memory, state, rows, done)
+
+
+def test_the_memory_narrows_once_its_longest_sources_leave():
+    """A running search is as wide as its longest source: once that leaves, the memory is
+    copied as narrow as the rows kept need (else one long line would slow the pool for as
+    long as it runs), and every row decodes as it would alone."""
+    model = tiny_model("transformer").eval()
+    g = torch.Generator().manual_seed(1)
+    a = torch.randint(4, V, (4, 12), generator=g)
+    a[1:, 3:] = 0  # PAD_ID: row 0 is 12 pieces, the others 3
+    tokens = torch.randint(4, V, (4, 4), generator=g)
+    rows, done = [(a[r], a[r] == 0, tokens[r]) for r in range(4)], [0] * 4
+    with torch.no_grad():
+        memory = model.encode(a, a == 0)
+        state = _step_rows(model, memory, model.init_state(memory), rows, done)
+        order = kept_order(torch.tensor([False, True, True, True]))
+        memory, state = model.keep_rows(memory, state, order)
+        assert memory.src_mask.size(-1) == 3 and memory.cross[0][0].is_contiguous()
+        rows, done = [rows[r] for r in order.tolist()], [done[r] for r in order.tolist()]
+        _step_rows(model, memory, state, rows, done)
