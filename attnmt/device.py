@@ -187,9 +187,13 @@ class ThreadFit:
         elif not self.threads:  # since the reading given, or over one of its own
             self.threads = free_threads(self.reading or CpuShare.now(), self.most)
             self.reading = CpuShare.now()
-        elif self.every_s is not None and self.reading is not None:
+        elif (
+            self.every_s is not None
+            and self.reading is not None
+            and time.monotonic() - self.reading.wall >= self.every_s  # before reading /proc
+        ):
             now = CpuShare.now()
-            if now is not None and now.wall - self.reading.wall >= self.every_s:
+            if now is not None:
                 self.threads = threads_for(now.free_since(self.reading), self.most)
                 self.reading = now
         torch.set_num_threads(self.threads)
