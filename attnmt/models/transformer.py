@@ -90,23 +90,20 @@ class Embeddings(nn.Module):
         if self.layout == "rope":
             return self.dropout(self.embed(tokens) * self.scale)  # (B, T, d)
         T = tokens.size(1)
-        if isinstance(offset, torch.Tensor) and offset.dim() == 2:
-            at = offset  # (B, T): each token's own position
-            offset = offset.amin(dim=1)  # (B,): the table must reach offset + T
+        if isinstance(offset, int):
+            end = offset + T
         else:
-            at = None
-        end = offset + T if isinstance(offset, int) else int(offset.max()) + T
+            own = offset.dim() == 2  # each token's position, else each row's first
+            end = int(offset.max()) + (1 if own else T)
         if end > self.pe.size(0):
             pe = sinusoid_table(end, self.pe.size(1), layout=self.layout)
             pe = pe.to(self.pe.device, self.pe.dtype)
         else:
             pe = self.pe
-        if at is not None:
-            at = pe[at]  # (B, T, d)
-        elif isinstance(offset, int):
+        if isinstance(offset, int):
             at = pe[offset : offset + T]  # (T, d)
         else:
-            at = pe[positions_of(T, offset, pe.device)]  # (B, T, d)
+            at = pe[offset if own else positions_of(T, offset, pe.device)]  # (B, T, d)
         x = self.embed(tokens) * self.scale + at  # (B, T, d)
         return self.dropout(x)
 
