@@ -72,9 +72,8 @@ class BeamPool:
         the pool is constrained) and add its sentences; returns their ids (step's keys)."""
         B, K, device, model = src.size(0), self.K, src.device, self.model
         assert (wanted is not None) == self.constrained
-        memory = encode_joining(
-            model, src, src_pad_mask
-        )  # one row per sentence, shared by its beams
+        # One memory row per sentence, shared by its beams.
+        memory = encode_joining(model, src, src_pad_mask)
         beams_of = torch.arange(B, device=device).repeat_interleave(K)  # (B * K,)
         state = model.select_state(model.init_state(memory), beams_of)
         scores = torch.full((B, K), float("-inf"), device=device)  # summed log-probs
