@@ -332,8 +332,9 @@ class TransformerSeq2Seq(Seq2Seq):
         attnmt.models.packing): the products see no padding, attention stays within each
         sentence, and every position keeps its place in its sentence."""
         x = self.src_embed(packing.pack(src, self.pad_id), packing.positions)  # (P, L, d)
+        block_mask = packing.mask.to(x.dtype)  # (P, 1, L, L)
         for layer in self.encoder_layers:
-            x = layer(x, packing.mask, packing.positions)
+            x = layer(x, block_mask, packing.positions)
         x = self.enc_norm(x)  # (P, L, d)
         cross = []
         for layer in self.decoder_layers:
