@@ -120,7 +120,11 @@ def append_position(
         # Reordered rows (beam search: at every step) get no room to spare: a fresh buffer's
         # pages are mapped as they are first written, and room would double them. Rows in
         # order keep the rows to spare they had.
-        spare, capacity = (ROOM, N if room is None else room.k.size(0)) if rows is None else (0, N)
+        if rows is None:
+            assert room is not None  # else grown by torch.cat above
+            spare, capacity = ROOM, room.k.size(0)
+        else:
+            spare, capacity = 0, N
         room = Room.sized(k_new, capacity, t + 1 + spare, t)
         for old, buffer in ((cache.self_k, room.k[:N]), (cache.self_v, room.v[:N])):
             if rows is None:
@@ -179,10 +183,10 @@ class TransformerMemory:
     def put(self, at: int, other: TransformerMemory) -> None:
         """Write other's rows into this memory's buffers, from row `at`, padded to its width."""
         assert self.buffers is not None
-        mask, *cross = zip(self.buffers, other.tensors(), strict=True)
-        put_rows(mask[0], at, mask[1], dim=3, fill=-torch.inf)  # (B, 1, 1, S)
-        for buffer, x in cross:
-            put_rows(buffer, at, x, dim=2, fill=0.0)  # (B, h, S, d_h)
+        buffers, tensors = self.buffers, other.tensors()
+        put_rows(buffers[0], at, tensors[0], dim=3, fill=-torch.inf)  # src_mask (B, 1, 1, S)
+        for buffer, x in zip(buffers[1:], tensors[1:], strict=True):
+            put_rows(buffer, at, x, dim=2, fill=0.0)  # keys, values (B, h, S, d_h)
 
 
 @dataclass
@@ -213,11 +217,10 @@ def join_in_place(
     first: TransformerState, second: TransformerState, position: torch.Tensor
 ) -> TransformerState | None:
     """join_state without copying first's caches: second's rows, which have decoded no
-    position (their pending order matters only to an SSRU's state), written as zeros (masked)
-    into the rows first's buffers have to spare; None where that cannot be done (first's
-    rows pending reorder, no room, buffers shared or locked)."""
+    position, written as zeros (masked) into the rows first's buffers have to spare; None
+    where that cannot be done (rows pending reorder, no room, buffers shared or locked)."""
     fresh = isinstance(second.position, int) and second.position == 0
-    if first.rows is not None or not fresh:
+    if first.rows is not None or second.rows is not None or not fresh:
         return None
     n = position.numel()
     for c in first.caches:
@@ -228,8 +231,7 @@ def join_in_place(
     caches: list[LayerCache | RecurrentCache] = []
     for x, y in zip(first.caches, second.caches, strict=True):
         if isinstance(x, RecurrentCache) and isinstance(y, RecurrentCache):
-            c = y.c if second.rows is None else y.c.index_select(0, second.rows)
-            caches.append(RecurrentCache(torch.cat([x.c, c])))  # (N1 + N2, d)
+            caches.append(RecurrentCache(torch.cat([x.c, y.c])))  # (N1 + N2, d)
             continue
         assert isinstance(x, LayerCache) and x.room is not None
         joined = x.room.cache(n)  # (N1 + N2, h, t, d_h)

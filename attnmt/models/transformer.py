@@ -445,50 +445,35 @@ class TransformerSeq2Seq(Seq2Seq):
             return kept
         return kept.resized(order.numel() + spare_rows(order.numel()), width)
 
-    def _move_state_rows(self, state: TransformerState, index: torch.Tensor) -> TransformerState:
-        """select_state(state, index) with only the rows that change place (index[i] != i)
-        copied, within the caches' own buffers, at once; where they cannot be (a reorder
-        pending, buffers shared or locked), select_state. Few rows, not beam search's
-        reorders: a strided copy of most rows costs twice a gather into new buffers."""
-        n = index.numel()
-        if state.rows is not None or not all(
-            isinstance(c, RecurrentCache)
-            or (c.room is not None and c.room.owns(c.self_k.size(2)) and c.room.k.size(0) >= n)
-            for c in state.caches
-        ):
-            return self.select_state(state, index)
-        moved = moved_rows(index)  # (M,)
-        caches: list[LayerCache | RecurrentCache] = []
-        for c in state.caches:
-            if isinstance(c, RecurrentCache):
-                caches.append(RecurrentCache(c.c.index_select(0, index)))
-                continue
-            assert c.room is not None
-            rows = max(n, c.self_k.size(0))  # more rows than before: beams of new sentences
-            for buffer in (c.room.k, c.room.v):
-                move_rows(buffer[:rows, :, c.room.start : c.room.filled], index, moved)
-            caches.append(c.room.cache(n))
-        position = state.position
-        if not isinstance(position, int):
-            position = position.index_select(0, index)  # (N',)
-        return TransformerState(caches, position)
-
     def keep_rows(
         self, memory: TransformerMemory, state: TransformerState, order: torch.Tensor
     ) -> tuple[TransformerMemory, TransformerState]:
-        """keep_memory and _move_state_rows, and the caches drop the positions no row kept
-        has: a view, no copy."""
-        memory, state = self.keep_memory(memory, order), self._move_state_rows(state, order)
-        if state.rows is not None or isinstance(state.position, int) or not order.numel():
-            return memory, state
-        t = int(state.position.max())  # each row's positions are the last position[n]
+        """keep_memory, and the state's rows moved alike within the caches' own buffers
+        (where they cannot be written: a reorder pending, buffers shared or locked,
+        select_state); the caches drop the positions no row kept has: a view, no copy."""
+        memory = self.keep_memory(memory, order)
+        if state.rows is not None or not all(
+            isinstance(c, RecurrentCache) or (c.room is not None and c.room.owns(c.self_k.size(2)))
+            for c in state.caches
+        ):
+            return memory, self.select_state(state, order)
+        n, moved = order.numel(), moved_rows(order)
+        position, longest = state.position, None
+        if not isinstance(position, int) and n:
+            position = position.index_select(0, order)  # (N',)
+            longest = int(position.max())  # each row's positions are the last position[n]
         caches: list[LayerCache | RecurrentCache] = []
         for c in state.caches:
-            if isinstance(c, LayerCache) and c.room is not None:
-                c.room.start += c.self_k.size(2) - t
-                c = c.room.cache(order.numel())
-            caches.append(c)
-        return memory, TransformerState(caches, state.position)
+            if isinstance(c, RecurrentCache):
+                caches.append(RecurrentCache(c.c.index_select(0, order)))
+                continue
+            assert c.room is not None
+            move_rows(c.self_k, order, moved)  # (N', h, t, d_h): rows of the buffers
+            move_rows(c.self_v, order, moved)
+            if longest is not None:
+                c.room.start += c.self_k.size(2) - longest
+            caches.append(c.room.cache(n))
+        return memory, TransformerState(caches, position)
 
     def join_memory(self, first: TransformerMemory, second: TransformerMemory) -> TransformerMemory:
         """Second's rows are written after first's, in first's buffers where they fit (rows
