@@ -4,9 +4,11 @@ asks for bounded before it starts, and the JSON answer."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import threading
+from concurrent.futures import Future
 from typing import Any
 
 from fastapi import Request
@@ -207,3 +209,28 @@ def maps(
                 {"src_pieces": t.src_pieces, "tgt_pieces": t.tgt_pieces, "weights": weights}
             )
     return out
+
+
+def in_thread(work: Any, *args: Any) -> Future:
+    """work(*args) in a daemon thread: a server stopped by a signal does not wait for it (the
+    event loop's executor would, and cannot cancel it)."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(work(*args))
+        except BaseException as e:  # the waiting request answers it
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="attnmt-attention", daemon=True).start()
+    return future
+
+
+async def finished(http: Request, future: Future) -> bool:
+    """Wait for `future`; False as soon as the client has gone instead."""
+    waiting = asyncio.wrap_future(future)
+    while not waiting.done():
+        await asyncio.wait({waiting}, timeout=0.25)
+        if not waiting.done() and await http.is_disconnected():
+            return False
+    return True
