@@ -188,8 +188,16 @@ def test_the_api_is_closed_and_errors_have_one_shape(server):
     for r, status in ((httpx.get(f"{url}/nowhere"), 404), (httpx.get(f"{url}/translate"), 405)):
         assert r.status_code == status and set(r.json()) == {"error"}, r.text
     schema = httpx.get(f"{url}/openapi.json").json()
-    fields = schema["paths"]["/translate"]["post"]["requestBody"]["content"]
+    post = schema["paths"]["/translate"]["post"]
+    fields = post["requestBody"]["content"]
     assert fields["application/json"]["schema"]["additionalProperties"] is False
+    # The route is answered in front of FastAPI (serve/route.py); the document still has it.
+    answer = post["responses"]["200"]["content"]["application/json"]["schema"]["$ref"]
+    assert answer == "#/components/schemas/TranslateResponse"
+    assert {"TranslateResponse", "ErrorResponse", "SamplingRequest", "Scored"} <= set(
+        schema["components"]["schemas"]
+    )
+    assert r.headers["allow"] == "POST"  # GET /translate: 405
 
 
 def test_n_best_length_penalty_and_sampling_over_http_equal_the_cli(server, trained, run_cli):
