@@ -11,7 +11,7 @@ import pickle
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import connection
 from typing import Any, TypeVar, cast
@@ -107,10 +107,17 @@ def run_in_child(work: Callable[[], bytes]) -> bytes:
 
 
 def map_batches(
-    work: Callable[[T], R], items: Sequence[T], workers: int, device: torch.device | str
+    work: Callable[[T], R],
+    items: Sequence[T],
+    workers: int,
+    device: torch.device | str,
+    kept: tuple[Any, ...] = (),
+    version: Hashable = None,
 ) -> list[R]:
     """work(item) for every item, in order; `workers` items at a time, each worker on its share
-    of torch's intra-op threads (torch.get_num_threads() // workers, at least 1).
+    of torch's intra-op threads (torch.get_num_threads() // workers, at least 1). `kept`: the
+    objects in `work` that worker processes may keep between calls while `version` stays
+    (kept_workers: the model), instead of being forked for this call alone.
 
     A decoding step's small matmuls and elementwise ops keep one core busy each better than two
     cores together (the idea of CTranslate2's inter_threads). Workers with one thread each are
@@ -125,6 +132,12 @@ def map_batches(
         return [work(item) for item in items]
     threads = max(1, torch.get_num_threads() // workers)
     if threads == 1 and sys.platform == "linux" and torch.device(device).type == "cpu":
+        if kept:
+            from attnmt.data.kept_workers import kept_map  # it imports this module
+
+            found = kept_map(work, list(items), workers, kept, version, SEARCH_WORKER_DIED)
+            if found is not None:
+                return found
         return list(imap_forked(work, items, workers, SEARCH_WORKER_DIED))
     with ThreadPoolExecutor(workers, "attnmt-search", torch.set_num_threads, (threads,)) as pool:
         return list(pool.map(work, items))
@@ -142,17 +155,12 @@ def imap_forked(work: Callable[[T], R], items: Iterable[T], workers: int, died: 
     `died`: the error's message if one of them is killed.
 
     The workers get `work` by memory (a model or a tokenizer is never pickled); items go to
-    them one at a time through a pipe each, results come back pickled. Items are taken from
-    the iterable as workers free up, and at most 2 * workers finished results wait for an
-    earlier one, so memory stays bounded over a stream. Any exception, Ctrl-C included, or
-    closing the iterator ends the workers at once: they hold nothing worth waiting for.
+    them one at a time through a pipe each, results come back pickled (hand_out). Any
+    exception, Ctrl-C included, or closing the iterator ends the workers at once: they hold
+    nothing worth waiting for.
     """
     context = multiprocessing.get_context("fork")
-    source, parent = iter(items), os.getpid()
-    idle: list[Any] = []  # our ends of the pipes of the workers without an item
-    busy: dict[Any, int] = {}  # our end of a worker's pipe -> the number of its item
-    finished: dict[int, R] = {}  # results that wait for an earlier one
-    processes, sent, given, exhausted = [], 0, 0, False
+    conns, processes, parent = [], [], os.getpid()
     try:
         for _ in range(workers):
             ours, theirs = context.Pipe()
@@ -160,29 +168,41 @@ def imap_forked(work: Callable[[T], R], items: Iterable[T], workers: int, died: 
             process.start()
             theirs.close()
             processes.append(process)
-            idle.append(ours)
-        while True:
-            # Hand back what is in order first: with the buffer full, sending nothing and then
-            # emptying it would leave no worker busy before the items ran out.
-            while given in finished:
-                yield finished.pop(given)
-                given += 1
-            while idle and not exhausted and len(finished) < 2 * workers:
-                item = next(source, _END)
-                exhausted = item is _END
-                if not exhausted:
-                    conn = idle.pop()
-                    conn.send(item)
-                    busy[conn], sent = sent, sent + 1
-            if not busy:
-                return
-            for conn in connection.wait(list(busy)):
-                finished[busy.pop(conn)] = _result(cast(connection.Connection, conn), died)
-                idle.append(conn)
+            conns.append(ours)
+        yield from hand_out(conns, items, died)
     finally:
         for process in processes:
             process.kill()
             process.join()
+
+
+def hand_out(conns: list[Any], items: Iterable[T], died: str) -> Iterator[R]:
+    """Send the items to the workers at the other ends of `conns`, one at a time each as they
+    free up, and yield their results in the items' order. Items are taken from the iterable
+    as workers free up, and at most 2 * workers finished results wait for an earlier one, so
+    memory stays bounded over a stream."""
+    source, idle = iter(items), list(conns)
+    busy: dict[Any, int] = {}  # our end of a worker's pipe -> the number of its item
+    finished: dict[int, R] = {}  # results that wait for an earlier one
+    sent, given, exhausted = 0, 0, False
+    while True:
+        # Hand back what is in order first: with the buffer full, sending nothing and then
+        # emptying it would leave no worker busy before the items ran out.
+        while given in finished:
+            yield finished.pop(given)
+            given += 1
+        while idle and not exhausted and len(finished) < 2 * len(conns):
+            item = next(source, _END)
+            exhausted = item is _END
+            if not exhausted:
+                conn = idle.pop()
+                conn.send(item)
+                busy[conn], sent = sent, sent + 1
+        if not busy:
+            return
+        for conn in connection.wait(list(busy)):
+            finished[busy.pop(conn)] = _result(cast(connection.Connection, conn), died)
+            idle.append(conn)
 
 
 def _result(conn: connection.Connection, died: str) -> Any:
@@ -196,24 +216,33 @@ def _result(conn: connection.Connection, died: str) -> Any:
     return payload
 
 
-def _worker(work: Callable[[T], R], conn: Any, parent: int) -> None:
-    """A forked worker: one intra-op thread, Ctrl-C left to the parent; works on each item it
-    is sent until the parent kills it."""
+def worker_setup(parent: int) -> None:
+    """A forked worker's start: it dies with its parent, has one intra-op thread, leaves Ctrl-C
+    to the parent and keeps the memory it frees."""
     die_with_parent(parent)
     torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _keep_freed_memory()
+
+
+def answer(work: Callable[[T], R], item: T) -> bytes:
+    """work(item) as a worker sends it back: pickled (True, result), or (False, the error)."""
+    try:
+        reply = (True, work(item))
+    except AttnmtError as e:
+        reply = (False, e)
+    except Exception as e:
+        reply = (False, RuntimeError(f"worker process: {type(e).__name__}: {e}"))
+    # Plain pickle, not multiprocessing's: that one would send tensors as shared-memory file
+    # descriptors, one per attention map.
+    return pickle.dumps(reply)
+
+
+def _worker(work: Callable[[T], R], conn: Any, parent: int) -> None:
+    """A forked worker: works on each item it is sent until the parent kills it."""
+    worker_setup(parent)
     while True:
-        item = conn.recv()
-        try:
-            reply = (True, work(item))
-        except AttnmtError as e:
-            reply = (False, e)
-        except Exception as e:
-            reply = (False, RuntimeError(f"worker process: {type(e).__name__}: {e}"))
-        # Plain pickle, not multiprocessing's: that one would send tensors as shared-memory
-        # file descriptors, one per attention map.
-        conn.send_bytes(pickle.dumps(reply))
+        conn.send_bytes(answer(work, conn.recv()))
 
 
 def _keep_freed_memory() -> None:

@@ -94,7 +94,8 @@ def search_lines(
         model, src, options, device, first_line, matmul or active_backend(), wanted, phrases,
         inner, shortlist,
     )  # fmt: skip
-    results = map_batches(job, batches, workers, device)
+    kept = (model,) if shortlist is None else (model, shortlist)
+    results = map_batches(job, batches, workers, device, kept, _version(model))
     for batch, found in zip(batches, results, strict=True):
         for j, hyps in zip(batch, found, strict=True):
             outputs[todo[j]] = translations(tokenizer, src[j], hyps)
@@ -107,6 +108,12 @@ def search_lines(
                 )  # fmt: skip
     model.train(was_training)
     return outputs
+
+
+def _version(model: Seq2Seq) -> tuple[tuple[int, int], ...]:
+    """Where each parameter and buffer lives and how often it was changed in place: workers
+    that kept a copy of the model from an earlier call may search with it while it is equal."""
+    return tuple((t.data_ptr(), t._version) for t in model.state_dict(keep_vars=True).values())
 
 
 def translations(tokenizer: Tokenizer, src: list[int], hyps: list[Hypothesis]) -> list[Translation]:

@@ -2,10 +2,15 @@
 test sets)."""
 
 import json
+import os
+import signal
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+import attnmt.data.kept_workers
 import attnmt.decoding.translate
 from attnmt import Translator
 from attnmt.config import from_dict
@@ -37,7 +42,7 @@ def test_workers_come_from_the_config_or_the_caller(trained, monkeypatch):
     monkeypatch.setattr(
         attnmt.decoding.translate,
         "map_batches",
-        lambda job, b, workers, d: seen.append(workers) or real(job, b, workers, d),
+        lambda job, b, workers, *rest: seen.append(workers) or real(job, b, workers, *rest),
     )
     one = Translator.load(model, device="cpu")
     assert one.workers == one.cfg.decode.workers == 1
@@ -77,3 +82,39 @@ def test_a_test_set_scores_the_same_in_training_and_in_eval(tmp_path: Path, corp
     assert r.code == 0, r.stderr
     assert json.loads(r.stdout)["bleu"] == test["bleu"]
     assert json.loads(r.stdout)["chrf"] == test["chrf"]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="forked workers: Linux")
+def test_search_workers_are_kept_between_calls_while_the_model_stays_the_same(trained):
+    """Workers with one thread each are forked processes, kept for the next call
+    (data/kept_workers.py) while the model is the same object, unchanged, and they live."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # 2 workers x 1 thread: forked processes
+    try:
+        two = Translator.load(trained[0], device="cpu", workers=2)
+        one = two.translate(LINES, batch_tokens=20, workers=1)
+        assert two.translate(LINES, batch_tokens=20) == one
+        first = _kept_pids()
+        assert len(first) == 2
+        assert two.translate(LINES, batch_tokens=20) == one
+        assert _kept_pids() == first  # the same processes searched again
+        with torch.no_grad():  # changed in place: the kept copies are stale
+            two.model.output.weight.mul_(-1.0)
+        changed = two.translate(LINES, batch_tokens=20, workers=1)
+        assert changed != one
+        assert two.translate(LINES, batch_tokens=20) == changed
+        again = _kept_pids()
+        assert again and not again & first  # forked anew, the old ones gone
+        assert not any(Path(f"/proc/{pid}").exists() for pid in first)
+        victim = attnmt.data.kept_workers._kept.processes[0]
+        os.kill(victim.pid, signal.SIGKILL)  # a worker killed between calls: forked anew
+        victim.join(timeout=30)
+        assert two.translate(LINES, batch_tokens=20) == changed
+        assert not _kept_pids() & again
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _kept_pids() -> set[int]:
+    kept = attnmt.data.kept_workers._kept
+    return set() if kept is None else {p.pid for p in kept.processes}
