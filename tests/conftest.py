@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from attnmt.cli.main import main
-from attnmt.data.kept_workers import release as release_search_workers
+from attnmt.data.search_workers import release as release_search_workers
 
 # A toy "language pair": each source word maps to one target word, order reversed.
 LEXICON = {f"w{i}": f"t{i}" for i in range(12)}
@@ -23,7 +23,7 @@ LEXICON = {f"w{i}": f"t{i}" for i in range(12)}
 
 @pytest.fixture(autouse=True)
 def fresh_search_workers():
-    """Each test forks its own search workers: kept ones (attnmt.data.kept_workers) would
+    """Each test forks its own search workers: kept ones (attnmt.data.search_workers) would
     carry an earlier test's monkeypatched functions, which a fork copies."""
     yield
     release_search_workers()

@@ -1,6 +1,6 @@
 """Processes, threads and signals: children that end with their parent, C++ work run in one
-so that Ctrl-C is prompt, training's stop signals, and the workers that decode several batches
-at once."""
+so that Ctrl-C is prompt, training's stop signals, and forked workers (search_workers: those
+that decode several batches at once)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import pickle
 import signal
 import sys
 import threading
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator
 from multiprocessing import connection
 from typing import Any, TypeVar, cast
 
@@ -106,48 +105,7 @@ def run_in_child(work: Callable[[], bytes]) -> bytes:
     raise RuntimeError(f"child process failed: {reply[1:].decode(errors='replace') or 'died'}")
 
 
-def map_batches(
-    work: Callable[[T], R],
-    items: Sequence[T],
-    workers: int,
-    device: torch.device | str,
-    kept: tuple[Any, ...] = (),
-    version: Hashable = None,
-) -> list[R]:
-    """work(item) for every item, in order; `workers` items at a time, each worker on its share
-    of torch's intra-op threads (torch.get_num_threads() // workers, at least 1). `kept`: the
-    objects in `work` that worker processes may keep between calls while `version` stays
-    (kept_workers: the model), instead of being forked for this call alone.
-
-    A decoding step's small matmuls and elementwise ops keep one core busy each better than two
-    cores together (the idea of CTranslate2's inter_threads). Workers with one thread each are
-    forked processes on Linux: as threads of one process they take turns at Python's GIL
-    between every op, and a thread that the OS (or a hypervisor) pauses while holding it stalls
-    the other too; processes run independently (T greedy on 2 cores, fresh process per run:
-    175-268 against 90-158 sentences/s as threads). Forked, a worker may not start OpenMP
-    threads (the parent's pool does not exist in the child, and GNU OpenMP hangs), so workers
-    with more than one thread each, and other platforms or a GPU, stay threads.
-    """
-    if workers <= 1 or len(items) <= 1:
-        return [work(item) for item in items]
-    threads = max(1, torch.get_num_threads() // workers)
-    if threads == 1 and sys.platform == "linux" and torch.device(device).type == "cpu":
-        if kept:
-            from attnmt.data.kept_workers import kept_map  # it imports this module
-
-            found = kept_map(work, list(items), workers, kept, version, SEARCH_WORKER_DIED)
-            if found is not None:
-                return found
-        return list(imap_forked(work, items, workers, SEARCH_WORKER_DIED))
-    with ThreadPoolExecutor(workers, "attnmt-search", torch.set_num_threads, (threads,)) as pool:
-        return list(pool.map(work, items))
-
-
 _END = object()
-SEARCH_WORKER_DIED = (
-    "a search worker process ended unexpectedly (killed, or out of memory?); "
-    "translate with --workers 1 or a smaller --batch-tokens"
-)
 
 
 def imap_forked(work: Callable[[T], R], items: Iterable[T], workers: int, died: str) -> Iterator[R]:

@@ -11,7 +11,7 @@ import sacrebleu
 import torch
 
 from attnmt.data.batches import pad_sequences, sorted_batches
-from attnmt.data.processes import map_batches
+from attnmt.data.search_workers import map_batches
 from attnmt.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
 from attnmt.decoding.batch import decode, new_pool
 from attnmt.decoding.constraints import Wanted
@@ -67,7 +67,7 @@ def search_lines(
     search.decode with options.method (greedy, beam or sampling).
 
     workers > 1 searches that many batches at once, sharing the intra-op threads (see
-    processes.map_batches); the results do not depend on it. `matmul`: the CPU fp32 matmul
+    search_workers.map_batches); the results do not depend on it. `matmul`: the CPU fp32 matmul
     backend (blas or onednn) to search with; None: the one in use here (kernels.matmul_backend).
     `prefix`: ids before every source (a multilingual model's target-language tag), shown as
     source pieces. `target_prefix`: per line, the target ids its translations start with.

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import attnmt.data.kept_workers
+import attnmt.data.search_workers
 import attnmt.decoding.translate
 from attnmt import Translator
 from attnmt.config import from_dict
@@ -87,7 +87,7 @@ def test_a_test_set_scores_the_same_in_training_and_in_eval(tmp_path: Path, corp
 @pytest.mark.skipif(sys.platform != "linux", reason="forked workers: Linux")
 def test_search_workers_are_kept_between_calls_while_the_model_stays_the_same(trained):
     """Workers with one thread each are forked processes, kept for the next call
-    (data/kept_workers.py) while the model is the same object, unchanged, and they live."""
+    (data/search_workers.py) while the model is the same object, unchanged, and they live."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # 2 workers x 1 thread: forked processes
     try:
@@ -106,7 +106,7 @@ def test_search_workers_are_kept_between_calls_while_the_model_stays_the_same(tr
         again = _kept_pids()
         assert again and not again & first  # forked anew, the old ones gone
         assert not any(Path(f"/proc/{pid}").exists() for pid in first)
-        victim = attnmt.data.kept_workers._kept.processes[0]
+        victim = attnmt.data.search_workers._held.workers.processes[0]
         os.kill(victim.pid, signal.SIGKILL)  # a worker killed between calls: forked anew
         victim.join(timeout=30)
         assert two.translate(LINES, batch_tokens=20) == changed
@@ -116,5 +116,5 @@ def test_search_workers_are_kept_between_calls_while_the_model_stays_the_same(tr
 
 
 def _kept_pids() -> set[int]:
-    kept = attnmt.data.kept_workers._kept
+    kept = attnmt.data.search_workers._held.workers
     return set() if kept is None else {p.pid for p in kept.processes}
