@@ -122,7 +122,7 @@ class KeptWorkers:
         try:
             yield from hand_out(self.conns, items, died)
             for conn in self.conns:
-                conn.send(_NEXT_CALL)
+                conn.send(_NextCall())
             done = True
         finally:
             if not done:
@@ -200,7 +200,8 @@ def _loads(payload: bytes, kept: tuple[Any, ...]) -> Any:
     return unpickler.load()
 
 
-_NEXT_CALL = None  # sent after a call's last item: the next message is the next call's work
+class _NextCall:
+    """Sent after a call's last item: the next message is the next call's work."""
 
 
 def _serve(kept: tuple[Any, ...], conn: Any, parent: int) -> None:
@@ -209,5 +210,5 @@ def _serve(kept: tuple[Any, ...], conn: Any, parent: int) -> None:
     worker_setup(parent)
     while True:
         work = _loads(conn.recv_bytes(), kept)
-        while (item := conn.recv()) is not _NEXT_CALL:
+        while not isinstance(item := conn.recv(), _NextCall):
             conn.send_bytes(answer(work, item))

@@ -95,7 +95,8 @@ def search_lines(
         inner, shortlist,
     )  # fmt: skip
     kept = (model,) if shortlist is None else (model, shortlist)
-    results = map_batches(job, batches, workers, device, kept, _version(model))
+    version = _version(model) if workers > 1 else None  # the kept workers' (map_batches)
+    results = map_batches(job, batches, workers, device, kept, version)
     for batch, found in zip(batches, results, strict=True):
         for j, hyps in zip(batch, found, strict=True):
             outputs[todo[j]] = translations(tokenizer, src[j], hyps)
@@ -111,9 +112,13 @@ def search_lines(
 
 
 def _version(model: Seq2Seq) -> tuple[tuple[int, int], ...]:
-    """Where each parameter and buffer lives and how often it was changed in place: workers
-    that kept a copy of the model from an earlier call may search with it while it is equal."""
-    return tuple((t.data_ptr(), t._version) for t in model.state_dict(keep_vars=True).values())
+    """Where each parameter and buffer lives and how often it was changed in place (an int8
+    GRU's packed cells, which are not tensors: which object): workers that kept a copy of the
+    model from an earlier call may search with it while it is equal."""
+    return tuple(
+        (t.data_ptr(), t._version) if isinstance(t, torch.Tensor) else (id(t), 0)
+        for t in model.state_dict(keep_vars=True).values()
+    )
 
 
 def translations(tokenizer: Tokenizer, src: list[int], hyps: list[Hypothesis]) -> list[Translation]:

@@ -118,3 +118,22 @@ def test_search_workers_are_kept_between_calls_while_the_model_stays_the_same(tr
 def _kept_pids() -> set[int]:
     kept = attnmt.data.search_workers._held.workers
     return set() if kept is None else {p.pid for p in kept.processes}
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="forked workers: Linux")
+def test_an_int8_gru_is_kept_by_its_workers_too(corpus, tmp_path: Path):
+    """An int8 GRU's packed cells are not tensors: the kept workers know it by them still."""
+    raw = tiny_config(corpus, arch="rnn")
+    raw["train"].update(max_steps=4, eval_every=4)
+    train(from_dict(raw), tmp_path / "m", quiet=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        two = Translator.load(tmp_path / "m", device="cpu", workers=2, precision="int8")
+        one = two.translate(LINES, batch_tokens=20, workers=1)
+        assert two.translate(LINES, batch_tokens=20) == one
+        first = _kept_pids()
+        assert len(first) == 2 and two.translate(LINES, batch_tokens=20) == one
+        assert _kept_pids() == first
+    finally:
+        torch.set_num_threads(threads)
