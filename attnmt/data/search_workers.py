@@ -162,7 +162,7 @@ def kept_map(
 
 
 def release() -> None:
-    """End the kept workers, if any (the interpreter exits; or to free their memory)."""
+    """End the kept workers, if any (to free their memory; a call using them is waited for)."""
     with _held.lock:
         if _held.workers is not None:
             _held.workers.close()
@@ -181,7 +181,15 @@ def _forget(workers: KeptWorkers) -> None:
             _held.lock.release()
 
 
-atexit.register(release)
+def _at_exit() -> None:
+    """The interpreter exits: end the kept workers without waiting for the lock (a daemon
+    thread may be in a call; the kernel would end them with this process anyway)."""
+    workers, _held.workers = _held.workers, None
+    if workers is not None:
+        workers.close()
+
+
+atexit.register(_at_exit)
 
 
 def _dumps(work: Any, refs: tuple[weakref.ref, ...]) -> bytes:
