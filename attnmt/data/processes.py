@@ -180,7 +180,7 @@ def worker_setup(parent: int) -> None:
     die_with_parent(parent)
     torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _keep_freed_memory()
+    keep_freed_memory()
 
 
 def answer(work: Callable[[T], R], item: T) -> bytes:
@@ -203,14 +203,16 @@ def _worker(work: Callable[[T], R], conn: Any, parent: int) -> None:
         conn.send_bytes(answer(work, conn.recv()))
 
 
-def _keep_freed_memory() -> None:
+def keep_freed_memory() -> None:
     """Have glibc's malloc keep freed memory for reuse in this process, not return it to the OS.
 
     A search step frees and allocates blocks of a few hundred KiB to a few MiB. By default
     glibc hands blocks that large back to the OS (mmap/munmap, heap trimming), and every reuse
     faults its pages in again: R beam 5 in 2 forked workers took about 620k page faults and 1.7 s
-    of system time for 1,000 sentences, about 70k and 0.2 s with these settings. Only worker
-    processes set it: they end with the translation (it did not speed up training).
+    of system time for 1,000 sentences, about 70k and 0.2 s with these settings; the T beam 5 in
+    one process, 2 threads, 500 sentences: 134 → 170 sentences/s, 440k page faults a run → 0
+    (docs/benchmarks.md). Set by search workers and by a Translator decoding on the CPU (the
+    process keeps its peak of freed memory, up to 1 GiB); not by training (no gain there).
     """
     try:
         libc = ctypes.CDLL(None)

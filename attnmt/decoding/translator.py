@@ -22,6 +22,7 @@ from typing import TypeVar
 import torch
 
 from attnmt.config import Config
+from attnmt.data.processes import keep_freed_memory
 from attnmt.data.text import CHUNK_LINES, input_chunks
 from attnmt.data.tokenizer import UNK_ID, Tokenizer
 from attnmt.decoding.alignment import DEFAULT_LAYER, align
@@ -142,6 +143,8 @@ class Translator:
             _note(f"{lacking}; {precision} decoding is emulated and may be slower than fp32")
         # More than one worker only on the CPU: threads share a GPU's stream for nothing.
         n_workers = (workers or cfg.decode.workers) if dev.type == "cpu" else 1
+        if dev.type == "cpu":  # a search's MiB-sized blocks reused, not faulted in anew
+            keep_freed_memory()
         members = tuple(c for c, _, _ in loaded)
         net = for_decoding(net, precision)
         terms = None

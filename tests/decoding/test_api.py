@@ -4,6 +4,7 @@ test sets)."""
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -137,3 +138,42 @@ def test_an_int8_gru_is_kept_by_its_workers_too(corpus, tmp_path: Path):
         assert _kept_pids() == first
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")
+def test_a_cpu_translator_keeps_the_memory_its_searches_free(trained):
+    """A beam search over a vocabulary of 8,000 frees and takes blocks of MiBs at every step;
+    once a Translator has loaded for the CPU, the process reuses them instead of handing them
+    back to the OS and faulting their pages in anew."""
+    code = """
+import resource, sys, torch
+from attnmt import Translator
+from attnmt.config import ModelConfig
+from attnmt.decoding.beam import beam_search
+from attnmt.decoding.search import Beam, SearchOptions
+from attnmt.models.build import build_model
+if len(sys.argv) > 1:
+    Translator.load(sys.argv[1], device="cpu")
+torch.manual_seed(0)
+cfg = ModelConfig(arch="transformer", emb_size=256, hidden_size=256, heads=4, ff_size=1024,
+                  enc_layers=1, dec_layers=1)
+model = build_model(cfg, 8000, 8000, True).eval()
+src = torch.randint(4, 8000, (64, 20))
+def faults():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    with torch.inference_mode():
+        beam_search(model, src, src == 0, SearchOptions(Beam(5), max_len_a=0.0, max_len_b=12))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+faults()
+print(faults())
+"""
+
+    def faults(*args: str) -> int:
+        run = subprocess.run(
+            [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300
+        )
+        assert run.returncode == 0, run.stderr
+        return int(run.stdout)
+
+    alone, loaded = faults(), faults(str(trained[0]))
+    assert alone > 10_000 and loaded < alone / 10, (alone, loaded)
