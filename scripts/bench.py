@@ -63,6 +63,7 @@ import torch
 from bench_data import TATOEBA
 from bench_train import add_train_args, bench_train
 
+from attnmt.data.processes import keep_freed_memory
 from attnmt.data.text import read_lines
 from attnmt.decoding.search import Beam, Greedy, SearchOptions
 from attnmt.decoding.shortlist import attach, load_shortlist
@@ -85,6 +86,8 @@ def precisions(text: str) -> list[str]:
 
 
 def bench_decode(args: argparse.Namespace) -> None:
+    if args.device == "cpu":  # as a Translator decoding on the CPU does (translate, serve)
+        keep_freed_memory()
     with matmul.matmul_backend(args.matmul) as backend:
         decode_models(args, backend)
 
