@@ -159,13 +159,14 @@ cfg = ModelConfig(arch="transformer", emb_size=256, hidden_size=256, heads=4, ff
                   enc_layers=1, dec_layers=1)
 model = build_model(cfg, 8000, 8000, True).eval()
 src = torch.randint(4, 8000, (64, 20))
-def faults():
+def faults(calls):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    with torch.inference_mode():
-        beam_search(model, src, src == 0, SearchOptions(Beam(5), max_len_a=0.0, max_len_b=12))
+    for _ in range(calls):
+        with torch.inference_mode():
+            beam_search(model, src, src == 0, SearchOptions(Beam(5), max_len_a=0.0, max_len_b=12))
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-faults()
-print(faults())
+faults(2)  # the memory's first use faults in either way
+print(faults(4))
 """
 
     def faults(*args: str) -> int:
@@ -176,4 +177,4 @@ print(faults())
         return int(run.stdout)
 
     alone, loaded = faults(), faults(str(trained[0]))
-    assert alone > 10_000 and loaded < alone / 10, (alone, loaded)
+    assert alone > 20_000 and loaded < alone / 5, (alone, loaded)
