@@ -117,21 +117,36 @@ def imap_forked(work: Callable[[T], R], items: Iterable[T], workers: int, died: 
     exception, Ctrl-C included, or closing the iterator ends the workers at once: they hold
     nothing worth waiting for.
     """
-    context = multiprocessing.get_context("fork")
-    conns, processes, parent = [], [], os.getpid()
+    conns: list[Any] = []
+    processes: list[Any] = []
     try:
-        for _ in range(workers):
-            ours, theirs = context.Pipe()
-            process = context.Process(target=_worker, args=(work, theirs, parent))
-            process.start()
-            theirs.close()
-            processes.append(process)
-            conns.append(ours)
+        fork_workers(_worker, (work,), workers, conns, processes)
         yield from hand_out(conns, items, died)
     finally:
-        for process in processes:
-            process.kill()
-            process.join()
+        end_workers(processes)
+
+
+def fork_workers(
+    target: Callable[..., None], args: tuple, workers: int, conns: list, processes: list
+) -> None:
+    """Fork `workers` processes running target(*args, their end of a pipe, our pid); our ends
+    go to `conns` and the processes to `processes` as each starts (if a fork fails, the caller
+    ends those started: end_workers)."""
+    context, parent = multiprocessing.get_context("fork"), os.getpid()
+    for _ in range(workers):
+        ours, theirs = context.Pipe()
+        process = context.Process(target=target, args=(*args, theirs, parent))
+        process.start()
+        theirs.close()
+        processes.append(process)
+        conns.append(ours)
+
+
+def end_workers(processes: list[Any]) -> None:
+    """Kill forked workers and reap them: they hold nothing worth waiting for."""
+    for process in processes:
+        process.kill()
+        process.join()
 
 
 def hand_out(conns: list[Any], items: Iterable[T], died: str) -> Iterator[R]:

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import atexit
 import io
-import multiprocessing
-import os
 import pickle
 import sys
 import threading
@@ -25,7 +23,14 @@ from typing import Any, TypeVar
 
 import torch
 
-from attnmt.data.processes import answer, hand_out, imap_forked, worker_setup
+from attnmt.data.processes import (
+    answer,
+    end_workers,
+    fork_workers,
+    hand_out,
+    imap_forked,
+    worker_setup,
+)
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -91,14 +96,11 @@ class KeptWorkers:
         self.version, self.workers = version, workers
         self.conns: list[Any] = []
         self.processes: list[Any] = []
-        context, parent = multiprocessing.get_context("fork"), os.getpid()
-        for _ in range(workers):
-            ours, theirs = context.Pipe()
-            process = context.Process(target=_serve, args=(kept, theirs, parent))
-            process.start()
-            theirs.close()
-            self.conns.append(ours)
-            self.processes.append(process)
+        try:
+            fork_workers(_serve, (kept,), workers, self.conns, self.processes)
+        except BaseException:
+            self.close()
+            raise
 
     def fits(self, kept: tuple[Any, ...], version: Hashable, workers: int) -> bool:
         """Whether these workers are alive, hold these very objects, unchanged, and are as
@@ -129,9 +131,7 @@ class KeptWorkers:
                 self.close()
 
     def close(self) -> None:
-        for process in self.processes:
-            process.kill()
-            process.join()
+        end_workers(self.processes)
         for conn in self.conns:
             conn.close()
         self.processes, self.conns = [], []
