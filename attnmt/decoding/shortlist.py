@@ -203,7 +203,8 @@ class ShortlistOutput(nn.Module):
             self._local.part = self._local.last = (rows, self.full.rows(rows))
         else:
             bias = None if self.full.bias is None else self.full.bias.index_select(0, rows)
-            projection = (self.full.weight.index_select(0, rows), bias)
+            # Columns of Wᵀ: column-major rows, as the full weight's (column_major_weights).
+            projection = (self.full.weight.t().index_select(1, rows).t(), bias)  # (V', d)
             self._local.part = self._local.last = (rows, projection)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

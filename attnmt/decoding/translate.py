@@ -27,7 +27,7 @@ from attnmt.decoding.terminology import Term
 from attnmt.device import PRECISION_DTYPES
 from attnmt.errors import DataError
 from attnmt.kernels import matmul_backend, pack_for_many_rows, quantize_int8
-from attnmt.kernels.matmul import active_backend
+from attnmt.kernels.matmul import active_backend, column_major_weights
 from attnmt.models.seq2seq import Seq2Seq
 
 
@@ -334,7 +334,7 @@ def for_decoding(model: Seq2Seq, precision: str) -> Seq2Seq:
         model = cast(Seq2Seq, quantize_int8(model.float()))
         pack_for_many_rows(model.source_side())
         return model
-    return model.to(PRECISION_DTYPES[precision])
+    return column_major_weights(model.to(PRECISION_DTYPES[precision]))
 
 
 def format_results(

@@ -218,3 +218,43 @@ def test_the_backend_is_scoped():
     assert matmul.active_backend() == before
     with pytest.raises(ValueError, match="auto, blas, onednn"):
         matmul.resolve("mkl")
+
+
+@pytest.mark.parametrize("arch", ["transformer", "rnn"])
+def test_column_major_weights_keep_every_output(arch: str):
+    """Decoding's weights stored transposed give the same logits step by step, leave the
+    embeddings row-major (a tied output layer gets its own copy), and change fp32 CPU
+    weights only."""
+    model = tiny_model(arch).eval()
+    batch = random_batch(seed=1)
+    src, src_mask = batch.src, batch.src_pad_mask
+    with torch.no_grad():
+        before = _steps(model, src, src_mask)
+        tied = (
+            model.output.weight is model.tgt_embed.embed.weight if arch == "transformer" else None
+        )
+        matmul.column_major_weights(model)
+        after = _steps(model, src, src_mask)
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.weight.t().is_contiguous() for m in linears)
+    embeddings = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    assert embeddings and all(m.weight.is_contiguous() for m in embeddings)
+    if tied:
+        assert model.output.weight is not model.tgt_embed.embed.weight
+    half = tiny_model(arch).half()
+    matmul.column_major_weights(half)
+    assert all(m.weight.is_contiguous() for m in half.modules() if isinstance(m, torch.nn.Linear))
+
+
+def _steps(model, src: torch.Tensor, src_mask: torch.Tensor, n: int = 4) -> torch.Tensor:
+    """The logits of n greedy steps (n, B, V)."""
+    memory = model.encode(src, src_mask)
+    state = model.init_state(memory)
+    prev = torch.full((src.size(0),), 2, dtype=torch.long)
+    out = []
+    for _ in range(n):
+        logits, state, _ = model.decode_step(memory, state, prev)
+        out.append(logits)
+        prev = logits.argmax(1)
+    return torch.stack(out)
