@@ -102,7 +102,7 @@ def decode_models(args: argparse.Namespace, backend: str) -> None:
         for precision in args.precision:
             cfg, tokenizer, model = load_model_dir(model_dir)
             plain = copy.deepcopy(model).to(args.device) if precision != "fp32" else None
-            model = for_decoding(model, precision).to(args.device)
+            model = for_decoding(model.to(args.device), precision)
             short = None
             if "on" in args.shortlist:  # off: the wrapped projection without rows is the plain one
                 short = load_shortlist(model_dir, tokenizer)

@@ -14,6 +14,7 @@ from attnmt.data.batches import pad_sequences, sorted_batches
 from attnmt.data.search_workers import map_batches
 from attnmt.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
 from attnmt.decoding.batch import decode, new_pool
+from attnmt.decoding import lean_step
 from attnmt.decoding.constraints import Wanted
 from attnmt.decoding.search import (
     Hypothesis,
@@ -329,12 +330,18 @@ def for_decoding(model: Seq2Seq, precision: str) -> Seq2Seq:
     16-bit formats halve the weights' memory traffic and run on the hardware's 16-bit matmuls
     (GPU tensor cores, AMX); int8 (CPU) swaps the matmuls for 8-bit ones (kernels.int8); all
     at the cost of outputs that may differ from fp32 here and there. Search sums its scores in
-    fp32 whatever the model computes in."""
+    fp32 whatever the model computes in. fp32 weights are stored column-major
+    (column_major_weights), and a Transformer on the CPU steps with fewer operations
+    (decoding.lean_step): the same outputs up to float rounding. Move the model to its device
+    first."""
     if precision == "int8":
         model = cast(Seq2Seq, quantize_int8(model.float()))
         pack_for_many_rows(model.source_side())
-        return model
-    return column_major_weights(model.to(PRECISION_DTYPES[precision]))
+    else:
+        model = column_major_weights(model.to(PRECISION_DTYPES[precision]))
+    if next(model.parameters(), torch.empty(0)).device.type == "cpu":
+        lean_step.attach(model)  # (on a GPU not measured)
+    return model
 
 
 def format_results(

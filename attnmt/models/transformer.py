@@ -10,6 +10,7 @@ projected into cross-attention keys/values once per sentence, so a step costs on
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -297,6 +298,9 @@ class TransformerSeq2Seq(Seq2Seq):
         self._init_weights(d)
         if cfg.tie_embeddings:
             self.output.weight = tgt_embed.weight
+        # Decoding's leaner form of decode_step (attnmt.decoding.lean_step, set by for_decoding):
+        # the same function in fewer operations, used unless attention weights are asked for.
+        self.lean_step: Callable[..., tuple[torch.Tensor, TransformerState, None]] | None = None
 
     def _init_weights(self, d: int) -> None:
         for name, p in self.named_parameters():
@@ -392,6 +396,8 @@ class TransformerSeq2Seq(Seq2Seq):
         prev_tokens: torch.Tensor,
         attention: AttentionSpec | None = None,
     ) -> tuple[torch.Tensor, TransformerState, torch.Tensor | None]:
+        if self.lean_step is not None and attention is None:
+            return self.lean_step(memory, state, prev_tokens)
         x = self.tgt_embed(prev_tokens.unsqueeze(1), offset=state.position)  # (B, 1, d)
         self_mask = self._joined_mask(state)  # (B, 1, 1, t+1) or None
         n_layers = len(self.decoder_layers)

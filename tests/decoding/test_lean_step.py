@@ -1,0 +1,102 @@
+"""decoding.lean_step: the Transformer's leaner decoding step computes what decode_step does,
+step by step, through beam search's reordered rows and a pool's joins, and in every variant
+(post-norm, GELU, bias-free output, rotary positions and SSRU layers kept in their own form,
+int8)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from attnmt.decoding import lean_step
+from attnmt.decoding.beam import beam_search
+from attnmt.decoding.greedy import greedy_search
+from attnmt.decoding.search import Beam, SearchOptions
+from attnmt.decoding.translate import for_decoding
+
+from helpers import random_batch, tiny_model
+
+VARIANTS = {
+    "pre-norm": {},
+    "post-norm, gelu, output bias, untied": {
+        "norm": "post", "activation": "gelu", "output_bias": True, "tie_embeddings": False,
+    },
+    "rope": {"positions": "rope"},
+    "ssru": {"decoder": "ssru"},
+}  # fmt: skip
+
+
+def _pair(precision: str = "fp32", **overrides) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The same model for decoding twice: with its lean step, and without."""
+    model = tiny_model("transformer", **overrides).eval()
+    plain = for_decoding(copy.deepcopy(model), precision)
+    lean = for_decoding(model, precision)
+    plain.lean_step = None
+    assert isinstance(lean.lean_step, lean_step.LeanStep)
+    return lean, plain
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_steps_equal_decode_steps_through_joins(variant: str):
+    """Greedy steps, rows that leave, and newcomers that join at their own positions."""
+    lean, plain = _pair(**VARIANTS[variant])
+    a, b = random_batch(seed=1, B=4), random_batch(seed=2, B=2)
+    with torch.no_grad():
+        for model in (lean, plain):
+            memory = model.encode(a.src, a.src_pad_mask)
+            state, prev, out = model.init_state(memory), torch.full((4,), 2), []
+            for step in range(5):
+                if step == 2:  # rows 1 and 3 leave, two newcomers join
+                    order = torch.tensor([0, 2])
+                    memory, state = model.keep_rows(memory, state, order)
+                    joining = model.encode(b.src, b.src_pad_mask)
+                    memory = model.join_memory(memory, joining)
+                    state = model.join_state(state, model.init_state(joining))
+                    prev = torch.cat([prev[order], torch.full((2,), 2)])
+                logits, state, _ = model.decode_step(memory, state, prev)
+                out.append(logits)
+                prev = logits.argmax(1)
+            model.out = out
+    for x, y in zip(lean.out, plain.out, strict=True):
+        _close(x, y)
+
+
+@pytest.mark.parametrize("variant", ["pre-norm", "post-norm, gelu, output bias, untied"])
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_searches_find_the_same_hypotheses(variant: str, precision: str):
+    """Greedy and beam search (beams reordered at every step) with and without the lean step."""
+    lean, plain = _pair(precision, **VARIANTS[variant])
+    batch = random_batch(seed=3, B=5)
+    for options in (SearchOptions(), SearchOptions(method=Beam(size=3, n_best=2))):
+        found = []
+        for model in (lean, plain):
+            with torch.no_grad():
+                if isinstance(options.method, Beam):
+                    hyps = beam_search(model, batch.src, batch.src_pad_mask, options)
+                else:
+                    hyps = [
+                        [h] for h in greedy_search(model, batch.src, batch.src_pad_mask, options)
+                    ]
+            found.append(hyps)
+        for mine, theirs in zip(*found, strict=True):
+            assert [h.tokens for h in mine] == [h.tokens for h in theirs]
+            _close(torch.tensor([h.score for h in mine]), torch.tensor([h.score for h in theirs]))
+
+
+def test_attention_weights_are_asked_of_the_full_step():
+    """With attention weights wanted, decode_step takes its own path (the lean one gives none)."""
+    from attnmt.models.seq2seq import AttentionSpec
+
+    lean, _ = _pair()
+    batch = random_batch(seed=4, B=2)
+    with torch.no_grad():
+        memory = lean.encode(batch.src, batch.src_pad_mask)
+        state = lean.init_state(memory)
+        _, _, attn = lean.decode_step(memory, state, torch.full((2,), 2), AttentionSpec())
+    assert attn is not None and attn.shape == (2, batch.src.size(1))
