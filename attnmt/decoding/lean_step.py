@@ -22,8 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnmt.models.decoding_state import LayerCache, TransformerMemory, TransformerState
-from attnmt.models.decoding_state import append_position
+from attnmt.models.decoding_state import (
+    LayerCache,
+    TransformerMemory,
+    TransformerState,
+    append_position,
+)
 from attnmt.models.transformer import ACTIVATIONS, DecoderLayer, TransformerSeq2Seq
 
 Tensor = torch.Tensor

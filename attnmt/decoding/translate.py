@@ -13,8 +13,8 @@ import torch
 from attnmt.data.batches import pad_sequences, sorted_batches
 from attnmt.data.search_workers import map_batches
 from attnmt.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
-from attnmt.decoding.batch import decode, new_pool
 from attnmt.decoding import lean_step
+from attnmt.decoding.batch import decode, new_pool
 from attnmt.decoding.constraints import Wanted
 from attnmt.decoding.search import (
     Hypothesis,
