@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnmt.kernels.int8 import Int8Linear
 from attnmt.models.decoding_state import (
     LayerCache,
     TransformerMemory,
@@ -65,7 +66,11 @@ class Product:
 
 
 def fused_qkv(q: nn.Module, k: nn.Module, v: nn.Module) -> Product | None:
-    """One product for the three projections of self-attention (fp32 with biases), or None."""
+    """One product for the three projections of self-attention (fp32 or int8, with biases),
+    or None."""
+    int8 = [m for m in (q, k, v) if isinstance(m, Int8Linear) and m.bias is not None]
+    if len(int8) == 3 and len({m.engine for m in int8}) == 1:
+        return Product(None, None, Int8Linear.stacked(int8))
     parts = [Product.of(m) for m in (q, k, v)]
     if any(p.weight_t is None or p.bias is None for p in parts):
         return None

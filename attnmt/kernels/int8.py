@@ -86,6 +86,22 @@ class Int8Linear(nn.Module):
         bias = None if self.bias is None else self.bias.index_select(0, index)
         return Int8Linear(q_rows, bias, not self.reduce_range)
 
+    @classmethod
+    def stacked(cls, layers: list[Int8Linear]) -> Int8Linear:
+        """One layer computing the outputs of `layers` (same inputs) side by side: their int8
+        rows and scales stacked, so each output equals its own layer's (the input is quantized
+        once for all: the same scale as each would give it)."""
+        qs = [layer.q_weight for layer in layers]
+        q = torch._make_per_channel_quantized_tensor(
+            torch.cat([x.int_repr() for x in qs]),
+            torch.cat([x.q_per_channel_scales() for x in qs]),
+            torch.cat([x.q_per_channel_zero_points() for x in qs]),
+            0,
+        )
+        biases = [layer.bias for layer in layers]
+        bias = None if any(b is None for b in biases) else torch.cat(biases)  # type: ignore[arg-type]
+        return Int8Linear(q, bias, not layers[0].reduce_range)
+
     def repack(self, engine: str) -> None:
         """Pack the weight again for `engine`'s kernels: torch's quantized engine (a
         process-wide setting, read when weights are packed) is switched for the call."""

@@ -104,3 +104,13 @@ def test_the_source_side_runs_on_onednn_where_the_cpu_has_amx_tiles(models, monk
     want, got = fbgemm.translate(LINES), onednn.translate(LINES)
     same = sum(a == b for a, b in zip(want, got, strict=True)) / len(LINES)
     assert same >= 0.9, f"{same:.0%} of lines equal to fbgemm's"
+
+
+def test_stacked_layers_give_each_layers_outputs():
+    """Int8Linear.stacked: q, k and v in one product, each part equal to its own layer's."""
+    torch.manual_seed(0)
+    layers = [Int8Linear.quantize(nn.Linear(32, n), full_range=True) for n in (32, 32, 48)]
+    both = Int8Linear.stacked(layers)
+    x = torch.randn(5, 32)
+    torch.testing.assert_close(both(x), torch.cat([layer(x) for layer in layers], dim=1))
+    assert both.out_features == 112 and both.in_features == 32
