@@ -116,6 +116,13 @@ def _norm(norm: nn.LayerNorm, x: Tensor) -> Tensor:
     return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
 
 
+def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """softmax(q kᵀ / √d + mask) v in the dtype k and v are kept in (cache_dtype)."""
+    if q.dtype != k.dtype:
+        q, mask = q.to(k.dtype), None if mask is None else mask.to(k.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 class LeanStep:
     """TransformerSeq2Seq.decode_step without attention weights, in fewer operations."""
 
@@ -178,13 +185,13 @@ class LeanStep:
         else:
             q, k, v = (p(h).view(N, h_, 1, d_h) for p in (lean.q, lean.k, lean.v))
         cache = append_position(cache, k, v, state.rows)  # (N, h, t+1, d_h) each
-        a = F.scaled_dot_product_attention(q, cache.self_k, cache.self_v, attn_mask=self_mask)
+        a = _attention(q, cache.self_k, cache.self_v, self_mask).to(x.dtype)  # (N, h, 1, d_h)
         x = self._sublayer_out(lean.norms[0], lean.out(a.view(N, d), residual=x))  # (N, d)
         h = self._sublayer_in(lean.norms[1], x)
         B = cross_k.size(0)  # a group of N // B rows (a sentence's beams) per memory row
         q = lean.cross_q(h).view(B, N // B, h_, d_h).transpose(1, 2)  # (B, h, G, d_h)
-        a = F.scaled_dot_product_attention(q, cross_k, cross_v, attn_mask=src_mask)
-        a = a.transpose(1, 2).reshape(N, d)  # (N, d)
+        a = _attention(q, cross_k, cross_v, src_mask)  # (B, h, G, d_h)
+        a = a.transpose(1, 2).reshape(N, d).to(x.dtype)  # (N, d)
         x = self._sublayer_out(lean.norms[1], lean.cross_out(a, residual=x))
         h = self._sublayer_in(lean.norms[2], x)
         f = lean.activation(lean.ff_in(h))  # (N, ff)

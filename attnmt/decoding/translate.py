@@ -25,11 +25,12 @@ from attnmt.decoding.search import (
 )
 from attnmt.decoding.shortlist import Shortlist, restricted
 from attnmt.decoding.terminology import Term
-from attnmt.device import PRECISION_DTYPES
+from attnmt.device import PRECISION_DTYPES, cpu_matmul_hardware
 from attnmt.errors import DataError
 from attnmt.kernels import matmul_backend, pack_for_many_rows, quantize_int8
 from attnmt.kernels.matmul import active_backend, column_major_weights
 from attnmt.models.seq2seq import Seq2Seq
+from attnmt.models.transformer import TransformerSeq2Seq
 
 
 @dataclass
@@ -337,6 +338,10 @@ def for_decoding(model: Seq2Seq, precision: str) -> Seq2Seq:
     if precision == "int8":
         model = cast(Seq2Seq, quantize_int8(model.float()))
         pack_for_many_rows(model.source_side())
+        if cpu_matmul_hardware("bf16"):  # attention's keys and values: half the bytes
+            for module in model.modules():
+                if isinstance(module, TransformerSeq2Seq):
+                    module.cache_dtype = torch.bfloat16
     else:
         model = column_major_weights(model.to(PRECISION_DTYPES[precision]))
     if next(model.parameters(), torch.empty(0)).device.type == "cpu":

@@ -125,7 +125,7 @@ def append_position(
             spare, capacity = ROOM, room.k.size(0)
         else:
             spare, capacity = 0, N
-        room = Room.sized(k_new, capacity, t + 1 + spare, t)
+        room = Room.sized(cache.self_k, capacity, t + 1 + spare, t)  # in the cache's dtype
         for old, buffer in ((cache.self_k, room.k[:N]), (cache.self_v, room.v[:N])):
             if rows is None:
                 buffer[:, :, :t].copy_(old)

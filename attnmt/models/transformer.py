@@ -301,6 +301,10 @@ class TransformerSeq2Seq(Seq2Seq):
         # Decoding's leaner form of decode_step (attnmt.decoding.lean_step, set by for_decoding):
         # the same function in fewer operations, used unless attention weights are asked for.
         self.lean_step: Callable[..., tuple[torch.Tensor, TransformerState, None]] | None = None
+        # Decoding: the dtype the memory's keys and values and the self-attention caches are
+        # kept in (int8 decoding keeps them in bf16: half the bytes attention reads), or None:
+        # the encoder's. Attention computes in it (MultiHeadAttention.attend).
+        self.cache_dtype: torch.dtype | None = None
 
     def _init_weights(self, d: int) -> None:
         for name, p in self.named_parameters():
@@ -326,8 +330,14 @@ class TransformerSeq2Seq(Seq2Seq):
     def encode(self, src: torch.Tensor, src_pad_mask: torch.Tensor) -> TransformerMemory:
         x, mask = self.encode_hidden(src, src_pad_mask)  # (B, S, d), (B, 1, 1, S)
         # Decoding needs the encoder output only as these keys and values.
-        cross = [layer.cross_attn.project_kv(x, x) for layer in self.decoder_layers]
+        cross = [self._kept(layer.cross_attn.project_kv(x, x)) for layer in self.decoder_layers]
         return TransformerMemory(mask, cross)
+
+    def _kept(self, kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values in cache_dtype."""
+        if self.cache_dtype is None:
+            return kv
+        return kv[0].to(self.cache_dtype), kv[1].to(self.cache_dtype)
 
     def encode_packed(
         self, src: torch.Tensor, src_pad_mask: torch.Tensor, packing: Packing
@@ -343,7 +353,7 @@ class TransformerSeq2Seq(Seq2Seq):
         cross = []
         for layer in self.decoder_layers:
             k, v = layer.cross_attn.project_kv(x, x)  # (P, h, L, d_h)
-            cross.append((packing.unpack(k), packing.unpack(v)))  # (B, h, S, d_h)
+            cross.append(self._kept((packing.unpack(k), packing.unpack(v))))  # (B, h, S, d_h)
         mask = additive_mask(src_pad_mask, None, x.dtype)  # (B, 1, 1, S)
         assert mask is not None
         return TransformerMemory(mask, cross)
@@ -380,7 +390,8 @@ class TransformerSeq2Seq(Seq2Seq):
     def init_state(self, memory: TransformerMemory) -> TransformerState:
         k = memory.cross[0][0]
         B, h, _, d_h = k.shape
-        zeros = k.new_zeros(B, h * d_h)  # (B, d): c_0 of an SSRU layer
+        dtype = self.tgt_embed.embed.weight.dtype  # the model's, not the cache's
+        zeros = k.new_zeros(B, h * d_h, dtype=dtype)  # (B, d): c_0 of an SSRU layer
         caches: list[LayerCache | RecurrentCache] = []
         for layer in self.decoder_layers:
             if layer.ssru is not None:

@@ -25,15 +25,21 @@ VARIANTS = {
     },
     "rope": {"positions": "rope"},
     "ssru": {"decoder": "ssru"},
+    "keys and values in bf16": {"cache_dtype": torch.bfloat16},
+    "ssru, bf16": {"decoder": "ssru", "cache_dtype": torch.bfloat16},
 }  # fmt: skip
 
 
-def _pair(precision: str = "fp32", **overrides) -> tuple[torch.nn.Module, torch.nn.Module]:
+def _pair(
+    precision: str = "fp32", cache_dtype: torch.dtype | None = None, **overrides
+) -> tuple[torch.nn.Module, torch.nn.Module]:
     """The same model for decoding twice: with its lean step, and without."""
     model = tiny_model("transformer", **overrides).eval()
     plain = for_decoding(copy.deepcopy(model), precision)
     lean = for_decoding(model, precision)
     plain.lean_step = None
+    if cache_dtype is not None:
+        lean.cache_dtype = plain.cache_dtype = cache_dtype
     assert isinstance(lean.lean_step, lean_step.LeanStep)
     return lean, plain
 
@@ -63,11 +69,20 @@ def test_steps_equal_decode_steps_through_joins(variant: str):
                 out.append(logits)
                 prev = logits.argmax(1)
             model.out = out
+            if model.cache_dtype is not None:
+                assert memory.cross[0][0].dtype == model.cache_dtype
+                cache = state.caches[0]
+                assert getattr(cache, "self_k", torch.empty(0, dtype=model.cache_dtype)).dtype == (
+                    model.cache_dtype
+                )
     for x, y in zip(lean.out, plain.out, strict=True):
+        assert x.dtype == torch.float32
         _close(x, y)
 
 
-@pytest.mark.parametrize("variant", ["pre-norm", "post-norm, gelu, output bias, untied"])
+@pytest.mark.parametrize(
+    "variant", ["pre-norm", "post-norm, gelu, output bias, untied", "keys and values in bf16"]
+)
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
 def test_searches_find_the_same_hypotheses(variant: str, precision: str):
     """Greedy and beam search (beams reordered at every step) with and without the lean step."""
@@ -89,14 +104,17 @@ def test_searches_find_the_same_hypotheses(variant: str, precision: str):
             _close(torch.tensor([h.score for h in mine]), torch.tensor([h.score for h in theirs]))
 
 
-def test_attention_weights_are_asked_of_the_full_step():
-    """With attention weights wanted, decode_step takes its own path (the lean one gives none)."""
+@pytest.mark.parametrize("cache_dtype", [None, torch.bfloat16])
+def test_attention_weights_are_asked_of_the_full_step(cache_dtype: torch.dtype | None):
+    """With attention weights wanted, decode_step takes its own path (the lean one gives none),
+    in the model's dtype whatever the caches'."""
     from attnmt.models.seq2seq import AttentionSpec
 
-    lean, _ = _pair()
+    lean, _ = _pair(cache_dtype=cache_dtype)
     batch = random_batch(seed=4, B=2)
     with torch.no_grad():
         memory = lean.encode(batch.src, batch.src_pad_mask)
         state = lean.init_state(memory)
         _, _, attn = lean.decode_step(memory, state, torch.full((2,), 2), AttentionSpec())
     assert attn is not None and attn.shape == (2, batch.src.size(1))
+    assert attn.dtype == torch.float32

@@ -114,3 +114,17 @@ def test_stacked_layers_give_each_layers_outputs():
     x = torch.randn(5, 32)
     torch.testing.assert_close(both(x), torch.cat([layer(x) for layer in layers], dim=1))
     assert both.out_features == 112 and both.in_features == 32
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_int8_keeps_attentions_keys_and_values_in_bf16_where_the_cpu_has_it(monkeypatch, bf16):
+    """for_decoding's int8: the memory's keys and values and the caches in bf16 on a CPU with
+    bf16 instructions (half the bytes attention reads), in fp32 elsewhere; fp32 decoding never."""
+    from attnmt.decoding import translate
+
+    from helpers import tiny_model
+
+    monkeypatch.setattr(translate, "cpu_matmul_hardware", lambda precision: bf16)
+    model = translate.for_decoding(tiny_model("transformer").eval(), "int8")
+    assert model.cache_dtype == (torch.bfloat16 if bf16 else None)
+    assert translate.for_decoding(tiny_model("transformer").eval(), "fp32").cache_dtype is None
