@@ -9,8 +9,8 @@ costs (module calls, the matmul backend's checks, views to and from (N, 1, d), a
 and a bias copy per sublayer, dropout calls that do nothing) add up to a fifth of the step.
 
 `attach(model)` gives each Transformer in the model a lean step (decoding only: for_decoding);
-decode_step uses it unless attention weights are asked for. Layers it does not cover (an SSRU,
-rotary positions) and int8 products (Int8Linear: called as the module) keep their own forms.
+decode_step uses it unless attention weights are asked for. Layers with rotary positions keep
+their own form; int8 products (Int8Linear) are called as modules.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from torch import nn
 from attnmt.kernels.int8 import Int8Linear
 from attnmt.models.decoding_state import (
     LayerCache,
+    RecurrentCache,
     TransformerMemory,
     TransformerState,
     append_position,
@@ -65,18 +66,21 @@ class Product:
         return y if residual is None else y.add_(residual)
 
 
-def fused_qkv(q: nn.Module, k: nn.Module, v: nn.Module) -> Product | None:
-    """One product for the three projections of self-attention (fp32 or int8, with biases),
-    or None."""
-    int8 = [m for m in (q, k, v) if isinstance(m, Int8Linear) and m.bias is not None]
-    if len(int8) == 3 and len({m.engine for m in int8}) == 1:
+def stacked(modules: list[nn.Module]) -> Product | None:
+    """One product for several projections of the same input, their outputs side by side
+    (self-attention's q, k, v; an SSRU's W x and W_f x + b_f): fp32 or int8, else None."""
+    int8 = [m for m in modules if isinstance(m, Int8Linear)]
+    if len(int8) == len(modules) and len({m.engine for m in int8}) == 1:
         return Product(None, None, Int8Linear.stacked(int8))
-    parts = [Product.of(m) for m in (q, k, v)]
-    if any(p.weight_t is None or p.bias is None for p in parts):
+    parts = [Product.of(m) for m in modules]
+    weights = [p.weight_t for p in parts if p.weight_t is not None]
+    if len(weights) < len(parts):
         return None
-    w = torch.cat([p.weight_t for p in parts if p.weight_t is not None], dim=1)  # (d, 3d)
-    b = torch.cat([p.bias for p in parts if p.bias is not None])  # (3d,)
-    return Product(w.contiguous(), b, q)
+    bias = None  # (N_all,): zeros for a projection without
+    if any(p.bias is not None for p in parts):
+        bias = torch.cat([p.bias if p.bias is not None else w.new_zeros(w.size(1))
+                          for p, w in zip(parts, weights, strict=True)])  # fmt: skip
+    return Product(torch.cat(weights, dim=1).contiguous(), bias, modules[0])  # (K, N_all)
 
 
 @dataclass
@@ -84,11 +88,12 @@ class LeanLayer:
     """One decoder layer's parameters, as the lean step reads them."""
 
     norms: list[nn.LayerNorm]  # before (pre-norm) or after (post-norm): self, cross, ff
-    qkv: Product | None  # None: q, k, v below
-    q: Product
-    k: Product
-    v: Product
-    out: Product
+    ssru: Product | None  # an SSRU layer's W and W_f side by side; None: self-attention
+    qkv: Product | None  # self-attention's q, k, v side by side, or None: q, k, v below
+    q: Product | None
+    k: Product | None
+    v: Product | None
+    out: Product | None
     cross_q: Product
     cross_out: Product
     ff_in: Product
@@ -97,18 +102,27 @@ class LeanLayer:
     heads: int
 
     @classmethod
-    def of(cls, layer: DecoderLayer) -> LeanLayer:
-        sa, ca, ff = layer.self_attn, layer.cross_attn, layer.ff
-        relu = ff.activation == "relu"
+    def of(cls, layer: DecoderLayer) -> LeanLayer | None:
+        """The layer's parameters, or None where the lean step does not cover it (rotary
+        positions, an SSRU whose products do not stack)."""
+        ca, ff = layer.cross_attn, layer.ff
+        if layer.rope:
+            return None
+        attn: list[Product | None] = [None] * 5  # qkv, q, k, v, out
+        ssru = None
+        if layer.ssru is not None:
+            if (ssru := stacked([layer.ssru.w, layer.ssru.w_f])) is None:
+                return None
+        else:
+            sa = layer.self_attn
+            attn = [stacked([sa.q_proj, sa.k_proj, sa.v_proj])]
+            attn += [Product.of(m) for m in (sa.q_proj, sa.k_proj, sa.v_proj, sa.out_proj)]
         return cls(
-            norms=[layer.res_self.norm, layer.res_cross.norm, layer.res_ff.norm],
-            qkv=fused_qkv(sa.q_proj, sa.k_proj, sa.v_proj),
-            q=Product.of(sa.q_proj), k=Product.of(sa.k_proj), v=Product.of(sa.v_proj),
-            out=Product.of(sa.out_proj),
+            [layer.res_self.norm, layer.res_cross.norm, layer.res_ff.norm], ssru, *attn,
             cross_q=Product.of(ca.q_proj), cross_out=Product.of(ca.out_proj),
             ff_in=Product.of(ff.w_1), ff_out=Product.of(ff.w_2),
-            activation=torch.relu_ if relu else ACTIVATIONS[ff.activation],
-            heads=sa.num_heads,
+            activation=torch.relu_ if ff.activation == "relu" else ACTIVATIONS[ff.activation],
+            heads=ca.num_heads,
         )  # fmt: skip
 
 
@@ -129,10 +143,7 @@ class LeanStep:
     def __init__(self, model: TransformerSeq2Seq) -> None:
         self.model = model
         self.pre_norm = model.pre_norm
-        self.layers = [
-            None if layer.ssru is not None or layer.rope else LeanLayer.of(layer)
-            for layer in model.decoder_layers
-        ]
+        self.layers = [LeanLayer.of(layer) for layer in model.decoder_layers]
 
     def __call__(
         self, memory: TransformerMemory, state: TransformerState, prev_tokens: Tensor
@@ -146,7 +157,7 @@ class LeanStep:
         for lean, layer, cache, (k, v) in zip(
             self.layers, model.decoder_layers, state.caches, memory.cross, strict=True
         ):
-            if lean is None or not isinstance(cache, LayerCache):
+            if lean is None:
                 y, cache, _ = layer.step(
                     x.view(N, 1, d), cache, k, v, memory.src_mask, rows=state.rows,
                     position=state.position, self_mask=self_mask,
@@ -169,24 +180,34 @@ class LeanStep:
         self,
         lean: LeanLayer,
         x: Tensor,
-        cache: LayerCache,
+        cache: LayerCache | RecurrentCache,
         cross_k: Tensor,
         cross_v: Tensor,
         src_mask: Tensor,
         state: TransformerState,
         self_mask: Tensor | None,
-    ) -> tuple[Tensor, LayerCache]:
+    ) -> tuple[Tensor, LayerCache | RecurrentCache]:
         """One decoder layer (DecoderLayer.step): x (N, d) -> (N, d) and the grown cache."""
         N, d = x.shape
         h_, d_h = lean.heads, d // lean.heads
         h = self._sublayer_in(lean.norms[0], x)
-        if lean.qkv is not None:
-            q, k, v = lean.qkv(h).view(N, 3, h_, 1, d_h).unbind(1)  # (N, h, 1, d_h) each
+        if isinstance(cache, RecurrentCache):  # an SSRU (attnmt.models.ssru)
+            assert lean.ssru is not None
+            wx, gate = lean.ssru(h).chunk(2, dim=1)  # (N, d) each: W x, W_f x + b_f
+            f = torch.sigmoid(gate)
+            c = cache.c if state.rows is None else cache.c.index_select(0, state.rows)  # (N, d)
+            c = f * c + (1 - f) * wx  # c_t
+            cache, y = RecurrentCache(c), torch.relu(c).add_(x)  # o_t + x
         else:
-            q, k, v = (p(h).view(N, h_, 1, d_h) for p in (lean.q, lean.k, lean.v))
-        cache = append_position(cache, k, v, state.rows)  # (N, h, t+1, d_h) each
-        a = _attention(q, cache.self_k, cache.self_v, self_mask).to(x.dtype)  # (N, h, 1, d_h)
-        x = self._sublayer_out(lean.norms[0], lean.out(a.view(N, d), residual=x))  # (N, d)
+            if lean.qkv is not None:
+                q, k, v = lean.qkv(h).view(N, 3, h_, 1, d_h).unbind(1)  # (N, h, 1, d_h) each
+            else:
+                q, k, v = (p(h).view(N, h_, 1, d_h) for p in (lean.q, lean.k, lean.v) if p)
+            cache = append_position(cache, k, v, state.rows)  # (N, h, t+1, d_h) each
+            a = _attention(q, cache.self_k, cache.self_v, self_mask).to(x.dtype)  # (N, h, 1, d_h)
+            assert lean.out is not None
+            y = lean.out(a.view(N, d), residual=x)  # (N, d)
+        x = self._sublayer_out(lean.norms[0], y)
         h = self._sublayer_in(lean.norms[1], x)
         B = cross_k.size(0)  # a group of N // B rows (a sentence's beams) per memory row
         q = lean.cross_q(h).view(B, N // B, h_, d_h).transpose(1, 2)  # (B, h, G, d_h)

@@ -99,7 +99,10 @@ class Int8Linear(nn.Module):
             0,
         )
         biases = [layer.bias for layer in layers]
-        bias = None if any(b is None for b in biases) else torch.cat(biases)  # type: ignore[arg-type]
+        bias = None
+        if any(b is not None for b in biases):  # zeros for a layer without
+            bias = torch.cat([b if b is not None else torch.zeros(m.out_features)
+                              for b, m in zip(biases, layers, strict=True)])  # fmt: skip
         return Int8Linear(q, bias, not layers[0].reduce_range)
 
     def repack(self, engine: str) -> None:

@@ -1,7 +1,7 @@
 """decoding.lean_step: the Transformer's leaner decoding step computes what decode_step does,
 step by step, through beam search's reordered rows and a pool's joins, and in every variant
-(post-norm, GELU, bias-free output, rotary positions and SSRU layers kept in their own form,
-int8)."""
+(post-norm, GELU, bias-free output, SSRU layers, bf16 keys and values, rotary positions kept in
+their own form, int8)."""
 
 from __future__ import annotations
 
@@ -81,7 +81,8 @@ def test_steps_equal_decode_steps_through_joins(variant: str):
 
 
 @pytest.mark.parametrize(
-    "variant", ["pre-norm", "post-norm, gelu, output bias, untied", "keys and values in bf16"]
+    "variant",
+    ["pre-norm", "post-norm, gelu, output bias, untied", "keys and values in bf16", "ssru"],
 )
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
 def test_searches_find_the_same_hypotheses(variant: str, precision: str):
