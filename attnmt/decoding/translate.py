@@ -28,6 +28,7 @@ from attnmt.decoding.terminology import Term
 from attnmt.device import PRECISION_DTYPES, cpu_matmul_hardware
 from attnmt.errors import DataError
 from attnmt.kernels import matmul_backend, pack_for_many_rows, quantize_int8
+from attnmt.kernels.int8 import pack_both_ways
 from attnmt.kernels.matmul import active_backend, column_major_weights
 from attnmt.models.seq2seq import Seq2Seq
 from attnmt.models.transformer import TransformerSeq2Seq
@@ -338,6 +339,7 @@ def for_decoding(model: Seq2Seq, precision: str) -> Seq2Seq:
     if precision == "int8":
         model = cast(Seq2Seq, quantize_int8(model.float()))
         pack_for_many_rows(model.source_side())
+        pack_both_ways([model])  # the rest (the decoder's): by each call's rows
         if cpu_matmul_hardware("bf16"):  # attention's keys and values: half the bytes
             for module in model.modules():
                 if isinstance(module, TransformerSeq2Seq):

@@ -30,6 +30,12 @@ from torch import nn
 # matrix-vector product bound by memory, where int8 saves nothing.
 MIN_OUT_FEATURES = 16
 
+# A call with this many rows or more, and rows x outputs this many or more, takes oneDNN's
+# kernels where a layer has both packings (pack_both_ways): measured on a Xeon with AMX, 1 and
+# 2 threads, fbgemm is faster below (docs/benchmarks.md).
+WIDE_ROWS = 16
+WIDE_OUTPUTS = 64 * 768
+
 
 def int8_hardware() -> bool:
     """Whether this CPU has VNNI (AVX512-VNNI or AVX-VNNI), the 8-bit dot products that make
@@ -58,6 +64,8 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = q_weight.shape
         # 7-bit inputs (reduce_range) keep fbgemm's 16-bit sums from saturating without VNNI.
         self.reduce_range = not full_range
+        # The same weights packed for oneDNN too (pack_both_ways), for calls with many rows.
+        self.wide: torch.Tensor | None = None
 
     @classmethod
     def quantize(cls, linear: nn.Linear, full_range: bool) -> Int8Linear:
@@ -71,7 +79,12 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., K) -> (..., N)."""
-        return torch.ops.quantized.linear_dynamic(x, self.packed, self.reduce_range)
+        packed = self.packed
+        if self.wide is not None:
+            rows = x.numel() // self.in_features
+            if rows >= WIDE_ROWS and rows * self.out_features >= WIDE_OUTPUTS:
+                packed = self.wide
+        return torch.ops.quantized.linear_dynamic(x, packed, self.reduce_range)
 
     def rows(self, index: torch.Tensor) -> Int8Linear:
         """The layer of output rows `index` only (a lexical shortlist's output projection): the
@@ -103,18 +116,24 @@ class Int8Linear(nn.Module):
         if any(b is not None for b in biases):  # zeros for a layer without
             bias = torch.cat([b if b is not None else torch.zeros(m.out_features)
                               for b, m in zip(biases, layers, strict=True)])  # fmt: skip
-        return Int8Linear(q, bias, not layers[0].reduce_range)
+        both = Int8Linear(q, bias, not layers[0].reduce_range)
+        if layers[0].wide is not None:  # packed both ways as they were
+            both.wide = both.packed_for("onednn")
+        return both
 
     def repack(self, engine: str) -> None:
-        """Pack the weight again for `engine`'s kernels: torch's quantized engine (a
-        process-wide setting, read when weights are packed) is switched for the call."""
+        """Pack the weight again for `engine`'s kernels."""
+        self.packed, self.engine, self.wide = self.packed_for(engine), engine, None
+
+    def packed_for(self, engine: str) -> torch.Tensor:
+        """The weight packed for `engine`'s kernels: torch's quantized engine (a process-wide
+        setting, read when weights are packed) is switched for the call."""
         before = torch.backends.quantized.engine
         torch.backends.quantized.engine = engine
         try:
-            self.packed = torch.ops.quantized.linear_prepack(self.q_weight, self.bias)
+            return torch.ops.quantized.linear_prepack(self.q_weight, self.bias)
         finally:
             torch.backends.quantized.engine = before
-        self.engine = engine
 
 
 class Int8GRU(torch.ao.nn.quantized.dynamic.GRU):
@@ -150,6 +169,22 @@ def pack_for_many_rows(modules: Iterable[nn.Module]) -> None:
             for layer in module.modules():
                 if isinstance(layer, Int8Linear):
                     layer.repack("onednn")
+
+
+def pack_both_ways(modules: Iterable[nn.Module]) -> None:
+    """Where the CPU has AMX tiles, give the Int8Linear layers in `modules` (a decoder's,
+    whose calls have from one row to hundreds: beam search's K per sentence) the same weights
+    packed for oneDNN too, which their calls take from WIDE_ROWS rows and WIDE_OUTPUTS outputs
+    on: the output layer (N × 256 × 8,000, 1 thread) at 36 rows 0.55 -> 0.30 ms, 320 rows 3.3
+    -> 1.1 ms, while at a few rows fbgemm's stay faster (docs/benchmarks.md)."""
+    if not int8_tiles():
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*quantiz.*")
+        for module in modules:
+            for layer in module.modules():
+                if isinstance(layer, Int8Linear) and layer.engine != "onednn":
+                    layer.wide = layer.packed_for("onednn")
 
 
 def _swap(module: nn.Module, full_range: bool) -> None:

@@ -128,3 +128,28 @@ def test_int8_keeps_attentions_keys_and_values_in_bf16_where_the_cpu_has_it(monk
     model = translate.for_decoding(tiny_model("transformer").eval(), "int8")
     assert model.cache_dtype == (torch.bfloat16 if bf16 else None)
     assert translate.for_decoding(tiny_model("transformer").eval(), "fp32").cache_dtype is None
+
+
+def test_a_decoder_layer_packed_both_ways_takes_onednn_for_many_rows(monkeypatch):
+    """pack_both_ways: a call with few rows keeps fbgemm's packing, one with many takes
+    oneDNN's (where the CPU has AMX tiles); both give the layer's product."""
+    torch.manual_seed(0)
+    if "onednn" not in torch.backends.quantized.supported_engines:
+        pytest.skip("torch built without oneDNN's quantized engine")
+    layer = Int8Linear.quantize(nn.Linear(64, 1024), full_range=True)
+    monkeypatch.setattr(int8, "int8_tiles", lambda: True)
+    int8.pack_both_ways([layer])
+    assert layer.wide is not None
+    used = []
+    real = torch.ops.quantized.linear_dynamic
+
+    def spy(x, packed, reduce_range):
+        used.append("wide" if packed is layer.wide else "packed")
+        return real(x, packed, reduce_range)
+
+    monkeypatch.setattr(torch.ops.quantized, "linear_dynamic", spy)
+    few, many = torch.randn(4, 64), torch.randn(int8.WIDE_ROWS * 4, 64)
+    for x in (few, many):
+        expected = torch.nn.functional.linear(x, layer.q_weight.dequantize(), layer.bias)
+        torch.testing.assert_close(layer(x), expected, rtol=0.05, atol=0.05)
+    assert used == ["packed", "wide"]
