@@ -1,8 +1,9 @@
 """The Transformer's decoding step with fewer operations: the same function as
 TransformerSeq2Seq.decode_step (tests/decoding/test_lean_step.py compares them), computed on 2-D
-rows (N, d) with the self-attention's q, k and v from one product (an SSRU's W and W_f likewise),
-the bias added by the product (addmm) and the residual in place, the model's modules called only for the embedding and the
-output layer. A step of the 30-minute T at 36 rows, 1 thread: 5.5 -> 4.3 ms (docs/benchmarks.md).
+rows (N, d) with the self-attention's q, k and v from one product (an SSRU's W and W_f
+likewise), the bias added by the product (addmm) and the residual in place, the model's modules
+called only for the embedding and the output layer. A step of the 30-minute T at 36 rows, 1
+thread: 5.5 -> 4.3 ms (docs/benchmarks.md).
 
 Why: at a decoding step's few rows the products are small, and the module path's per-call
 costs (module calls, the matmul backend's checks, views to and from (N, 1, d), a residual add

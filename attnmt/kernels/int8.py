@@ -21,7 +21,7 @@ project pins torch 2.13, where they are supported.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -161,14 +161,8 @@ def pack_for_many_rows(modules: Iterable[nn.Module]) -> None:
     a whole batch of sources at once, for oneDNN's kernels: 2.3x fbgemm's at 1,280 rows x 256
     -> 1,024 on a Xeon with AMX, but slower at a decoding step's few rows, which stay with
     fbgemm (docs/benchmarks.md). The weights stay the same int8 rows and scales."""
-    if not int8_tiles():
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*quantiz.*")
-        for module in modules:
-            for layer in module.modules():
-                if isinstance(layer, Int8Linear):
-                    layer.repack("onednn")
+    for layer in _to_pack(modules):
+        layer.repack("onednn")
 
 
 def pack_both_ways(modules: Iterable[nn.Module]) -> None:
@@ -177,14 +171,22 @@ def pack_both_ways(modules: Iterable[nn.Module]) -> None:
     packed for oneDNN too, which their calls take from WIDE_ROWS rows and WIDE_OUTPUTS outputs
     on: the output layer (N × 256 × 8,000, 1 thread) at 36 rows 0.55 -> 0.30 ms, 320 rows 3.3
     -> 1.1 ms, while at a few rows fbgemm's stay faster (docs/benchmarks.md)."""
+    for layer in _to_pack(modules):
+        if layer.engine != "onednn":
+            layer.wide = layer.packed_for("onednn")
+
+
+def _to_pack(modules: Iterable[nn.Module]) -> Iterator[Int8Linear]:
+    """The Int8Linear layers in `modules` where the CPU has AMX tiles (none elsewhere), with
+    torch's warnings about quantized tensors silenced while the caller packs each."""
     if not int8_tiles():
         return
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*quantiz.*")
         for module in modules:
             for layer in module.modules():
-                if isinstance(layer, Int8Linear) and layer.engine != "onednn":
-                    layer.wide = layer.packed_for("onednn")
+                if isinstance(layer, Int8Linear):
+                    yield layer
 
 
 def _swap(module: nn.Module, full_range: bool) -> None:
