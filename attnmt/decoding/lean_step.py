@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnmt.kernels import matmul
 from attnmt.kernels.int8 import Int8Linear
 from attnmt.models.decoding_state import (
     LayerCache,
@@ -60,6 +61,10 @@ class Product:
         score them otherwise than the CLI's batches."""
         if self.weight_t is None:
             y = self.module(x)
+        elif x.size(0) * self.weight_t.numel() >= matmul.ONEDNN_MIN_WORK and matmul.use_onednn(
+            x, x.size(0) * self.weight_t.numel()
+        ):  # the matmul backend in use says oneDNN (`auto` on AMD CPUs with AVX-512)
+            y = matmul.linear(x, self.weight_t.t(), self.bias)
         elif self.bias is None:
             y = x @ self.weight_t
         else:

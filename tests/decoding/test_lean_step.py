@@ -119,3 +119,29 @@ def test_attention_weights_are_asked_of_the_full_step(cache_dtype: torch.dtype |
         _, _, attn = lean.decode_step(memory, state, torch.full((2,), 2), AttentionSpec())
     assert attn is not None and attn.shape == (2, batch.src.size(1))
     assert attn.dtype == torch.float32
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_the_lean_step_keeps_the_matmul_backend(monkeypatch):
+    """Under the oneDNN backend (`auto` on AMD CPUs with AVX-512) the lean step's products go
+    to oneDNN too, with the model's step's results."""
+    from attnmt.kernels import matmul
+
+    monkeypatch.setattr(matmul, "ONEDNN_MIN_WORK", 0)
+    lean, plain = _pair()
+    batch = random_batch(seed=5, B=3)
+    calls = []
+    real = matmul._dnnl
+    monkeypatch.setattr(matmul, "_dnnl", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.no_grad(), matmul.matmul_backend("onednn"):
+        out = []
+        for model in (lean, plain):
+            memory = model.encode(batch.src, batch.src_pad_mask)
+            state = model.init_state(memory)
+            logits, _, _ = model.decode_step(memory, state, torch.full((3,), 2))
+            out.append(logits)
+            if model is lean:
+                lean_calls, calls[:] = len(calls), []
+    _close(*out)
+    # every product of the step, as the model's own: q, k and v in one instead of three
+    assert lean_calls == len(calls) - 2 * len(lean.decoder_layers) > 0
