@@ -59,11 +59,11 @@ class Product:
         after the product, not inside it (addmm's C): there a row's sum would depend on how
         many rows the product has (the BLAS's blocking), and a server's pool of lines would
         score them otherwise than the CLI's batches."""
+        work = 0 if self.weight_t is None else x.size(0) * self.weight_t.numel()  # M K N
         if self.weight_t is None:
             y = self.module(x)
-        elif x.size(0) * self.weight_t.numel() >= matmul.ONEDNN_MIN_WORK and matmul.use_onednn(
-            x, x.size(0) * self.weight_t.numel()
-        ):  # the matmul backend in use says oneDNN (`auto` on AMD CPUs with AVX-512)
+        elif work >= matmul.ONEDNN_MIN_WORK and matmul.use_onednn(x, work):
+            # the matmul backend in use says oneDNN (`auto` on AMD CPUs with AVX-512)
             y = matmul.linear(x, self.weight_t.t(), self.bias)
         elif self.bias is None:
             y = x @ self.weight_t
