@@ -259,7 +259,8 @@ class MultiHeadAttention(nn.Module):
         q = self.split_heads(self.q_proj(query))  # (B, h, T_q, d)
         if q_positions is not None:
             q = rotary(q, q_positions)  # (B, h, T_q, d)
-        if q.dtype != k.dtype:  # keys and values kept in another dtype: attend in theirs
+        dtype = q.dtype  # the answer's
+        if dtype != k.dtype:  # keys and values kept in another dtype: attend in theirs
             q = q.to(k.dtype)
             mask = None if mask is None else mask.to(k.dtype)
         p = self.dropout if self.training else 0.0
@@ -273,8 +274,8 @@ class MultiHeadAttention(nn.Module):
             out, w = scaled_dot_product(q, k, v, mask, p)  # (B, h, T_q, d), (B, h, T_q, T_k)
             if need_weights:
                 weights = w.mean(dim=1) if average_attn_weights else w  # (B, T_q, T_k) if mean
-                weights = weights.to(query.dtype)
-        out = out.transpose(1, 2).reshape(B, T_q, E).to(query.dtype)  # (B, T_q, E)
+                weights = weights.to(dtype)
+        out = out.transpose(1, 2).reshape(B, T_q, E).to(dtype)  # (B, T_q, E)
         return self.out_proj(out), weights
 
     def forward(
