@@ -95,11 +95,9 @@ class LeanLayer:
 
     norms: list[nn.LayerNorm]  # before (pre-norm) or after (post-norm): self, cross, ff
     ssru: Product | None  # an SSRU layer's W and W_f side by side; None: self-attention
-    qkv: Product | None  # self-attention's q, k, v side by side, or None: q, k, v below
-    q: Product | None
-    k: Product | None
-    v: Product | None
-    out: Product | None
+    qkv: Product | None  # self-attention's q, k, v side by side, or None: `separate`
+    separate: list[Product] | None  # q, k, v where they do not stack (16-bit weights)
+    out: Product | None  # self-attention's output projection
     cross_q: Product
     cross_out: Product
     ff_in: Product
@@ -114,17 +112,22 @@ class LeanLayer:
         ca, ff = layer.cross_attn, layer.ff
         if layer.rope:
             return None
-        attn: list[Product | None] = [None] * 5  # qkv, q, k, v, out
-        ssru = None
+        ssru: Product | None = None
+        qkv: Product | None = None
+        out: Product | None = None
+        separate: list[Product] | None = None
         if layer.ssru is not None:
             if (ssru := stacked([layer.ssru.w, layer.ssru.w_f])) is None:
                 return None
         else:
             sa = layer.self_attn
-            attn = [stacked([sa.q_proj, sa.k_proj, sa.v_proj])]
-            attn += [Product.of(m) for m in (sa.q_proj, sa.k_proj, sa.v_proj, sa.out_proj)]
+            projections = [sa.q_proj, sa.k_proj, sa.v_proj]
+            if (qkv := stacked(projections)) is None:
+                separate = [Product.of(m) for m in projections]
+            out = Product.of(sa.out_proj)
+        norms = [layer.res_self.norm, layer.res_cross.norm, layer.res_ff.norm]
         return cls(
-            [layer.res_self.norm, layer.res_cross.norm, layer.res_ff.norm], ssru, *attn,
+            norms, ssru, qkv, separate, out,
             cross_q=Product.of(ca.q_proj), cross_out=Product.of(ca.out_proj),
             ff_in=Product.of(ff.w_1), ff_out=Product.of(ff.w_2),
             activation=torch.relu_ if ff.activation == "relu" else ACTIVATIONS[ff.activation],
@@ -205,13 +208,14 @@ class LeanStep:
             c = f * c + (1 - f) * wx  # c_t
             cache, y = RecurrentCache(c), torch.relu(c).add_(x)  # o_t + x
         else:
+            assert lean.out is not None
             if lean.qkv is not None:
                 q, k, v = lean.qkv(h).view(N, 3, h_, 1, d_h).unbind(1)  # (N, h, 1, d_h) each
             else:
-                q, k, v = (p(h).view(N, h_, 1, d_h) for p in (lean.q, lean.k, lean.v) if p)
+                assert lean.separate is not None
+                q, k, v = (p(h).view(N, h_, 1, d_h) for p in lean.separate)
             cache = append_position(cache, k, v, state.rows)  # (N, h, t+1, d_h) each
             a = _attention(q, cache.self_k, cache.self_v, self_mask).to(x.dtype)  # (N, h, 1, d_h)
-            assert lean.out is not None
             y = lean.out(a.view(N, d), residual=x)  # (N, d)
         x = self._sublayer_out(lean.norms[0], y)
         h = self._sublayer_in(lean.norms[1], x)

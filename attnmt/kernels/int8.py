@@ -88,7 +88,8 @@ class Int8Linear(nn.Module):
 
     def rows(self, index: torch.Tensor) -> Int8Linear:
         """The layer of output rows `index` only (a lexical shortlist's output projection): the
-        same int8 rows and scales, packed anew (about 3 ms for 1,500 x 256)."""
+        same int8 rows and scales, packed anew (about 3 ms for 1,500 x 256) for fbgemm only (a
+        second packing would double that for each batch's rows)."""
         q = self.q_weight
         q_rows = torch._make_per_channel_quantized_tensor(
             q.int_repr().index_select(0, index),
