@@ -56,6 +56,7 @@ class BeamPool:
         self.results = _Finished(method.length_penalty, method.n_best)
         self.ids: list[int] = []  # each active sentence's id (its block of K rows)
         self.next_id = 0
+        self.fresh = False  # no step taken yet: one row per sentence, not K (add)
 
     def __len__(self) -> int:
         """Sentences still searching."""
@@ -72,22 +73,27 @@ class BeamPool:
         the pool is constrained) and add its sentences; returns their ids (step's keys)."""
         B, K, device, model = src.size(0), self.K, src.device, self.model
         assert (wanted is not None) == self.constrained
-        # One memory row per sentence, shared by its beams.
+        # One memory row per sentence, shared by its beams. Sentences added before a pool's
+        # first step start as one row each (fresh: their K beams would be K copies of it
+        # until that step has chosen K tokens); those that join a running pool with K rows.
         memory = encode_joining(model, src, src_pad_mask)
-        beams_of = torch.arange(B, device=device).repeat_interleave(K)  # (B * K,)
-        state = model.select_state(model.init_state(memory), beams_of)
+        fresh = not self.ids or self.fresh
+        state = model.init_state(memory)
+        if not fresh:
+            state = model.select_state(state, torch.arange(B, device=device).repeat_interleave(K))
         scores = torch.full((B, K), float("-inf"), device=device)  # summed log-probs
         scores[:, 0] = 0.0  # only the first beam starts alive: not K copies of one token
         limits = max_output_lengths(src_pad_mask, self.options)  # (B,)
         chooser = Constraints(wanted, K, device) if wanted is not None else _ByScore()
         ids = list(range(self.next_id, self.next_id + B))
         self.next_id += B
-        prev = torch.full((B * K,), model.bos_id, dtype=torch.long, device=device)
+        prev = torch.full((B if fresh else B * K,), model.bos_id, dtype=torch.long, device=device)
         steps = torch.zeros(B, dtype=torch.long, device=device)
+        self.fresh = fresh
         if not self.ids:
             self.memory, self.state, self.scores, self.limits = memory, state, scores, limits
             self.chooser, self.ids, self.forced, self.prev, self.steps = (
-                chooser, ids, forced, prev, steps)  # fmt: skip
+                chooser, list(ids), forced, prev, steps)  # fmt: skip
             self.tokens = torch.zeros(B * K, 0, dtype=torch.long, device=device)  # (n*K, t)
             self.attn: torch.Tensor | None = None  # (n*K, t, S)
             return ids
@@ -114,15 +120,19 @@ class BeamPool:
         # Long: one step whose four numbered parts share the beams' state (scores, tokens,
         # state, attention, active sentences); the choice (1, 2) is the chooser's and the
         # finishing (3) _Finished.settle's, the rest would pass all of that state around.
-        model, K, n = self.model, self.K, len(self.ids)
+        model, K, n, fresh = self.model, self.K, len(self.ids), self.fresh
         device = self.scores.device
         logits, state, attn = model.decode_step(
             self.memory, self.state, self.prev, self.options.attention
-        )  # (n*K, V)
+        )  # (n*K, V); fresh: (n, V), one row per sentence
         want = forced_at(self.forced, self.steps)  # (n,) or None
-        logp = step_log_probs(
-            logits, self.banned, None if want is None else want.repeat_interleave(K)
-        )  # (n*K, V)
+        if want is not None and not fresh:
+            want = want.repeat_interleave(K)
+        logp = step_log_probs(logits, self.banned, want)  # (n*K, V)
+        if fresh:  # each sentence's K beams: its one row (only the first beam is alive)
+            logp = logp.repeat_interleave(K, dim=0)
+            attn = None if attn is None else attn.repeat_interleave(K, dim=0)
+            self.fresh = False
         if attn is not None:
             self.attn = append_attention(self.attn, attn)  # (n*K, t+1, S)
         # 1. EOS among each sentence's first K candidates finishes a hypothesis; 2. the K
@@ -138,6 +148,7 @@ class BeamPool:
         new_beam = top_beam.gather(1, pick)  # (n, K)
         new_tok = top_tok.gather(1, pick)  # (n, K)
         rows = (torch.arange(n, device=device).unsqueeze(1) * K + new_beam).view(-1)  # (n*K,)
+        origin = rows // K if fresh else rows  # the state's row each new beam goes on from
         self.tokens = torch.cat([self.tokens[rows], new_tok.view(-1, 1)], dim=1)  # (n*K, t+1)
         if self.attn is not None:
             self.attn = self.attn[rows]
@@ -155,7 +166,7 @@ class BeamPool:
         # 4. Done sentences leave; the others go on with their reordered beams.
         self.scores, self.prev, self.steps = new_scores, new_tok.view(-1), self.steps + 1
         if len(keep) == n:
-            self.state = model.select_state(state, rows)
+            self.state = model.select_state(state, origin)
             return done
         if not keep:
             self.ids = []
@@ -168,7 +179,7 @@ class BeamPool:
         self.ids = [self.ids[r] for r in keep_t.tolist()]
         self.memory = model.keep_memory(self.memory, keep_t)
         # One gather of the decoder state: the reordered beams of the sentences kept.
-        self.state = model.select_state(state, rows[keep_rows])
+        self.state = model.select_state(state, origin[keep_rows])
         self.scores, self.limits, self.steps = (
             self.scores[keep_t], self.limits[keep_t], self.steps[keep_t])  # fmt: skip
         self.forced = None if self.forced is None else self.forced[keep_t]

@@ -81,7 +81,7 @@ class GreedyPool:
         ids = list(range(self.next_id, self.next_id + B))
         self.next_id += B
         if self.memory is None:
-            self.memory, self.ids, self.attn = memory, ids, None
+            self.memory, self.ids, self.attn = memory, list(ids), None
             for name, value in new.items():
                 setattr(self, name, value)
             return ids

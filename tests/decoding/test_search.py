@@ -11,7 +11,7 @@ import torch
 
 from attnmt.config import from_dict
 from attnmt.decoding import greedy
-from attnmt.decoding.beam import beam_search
+from attnmt.decoding.beam import BeamPool, beam_search
 from attnmt.decoding.greedy import greedy_search
 from attnmt.decoding.search import (
     Beam,
@@ -239,6 +239,30 @@ def test_cached_and_uncached_greedy_agree(trained):
                 break
             tokens.append(nxt)
         assert cached[i].tokens == tokens
+
+
+def test_beam_pool_first_step_decodes_one_row_per_sentence(trained, monkeypatch):
+    """Before its first step a sentence's K beams are one row (K copies of it would cost K
+    times the step); sentences added before that step, or after it, find the same."""
+    model, _, src, pad = trained
+    K = 3
+    opts = SearchOptions(Beam(K, n_best=2), max_len_a=1.5, max_len_b=5)
+    whole = beam_search(model, src, pad, opts)
+    rows: list[int] = []
+    step = model.decode_step
+    monkeypatch.setattr(model, "decode_step", lambda m, s, prev, a=None: (
+        rows.append(prev.numel()) or step(m, s, prev, a)))  # fmt: skip
+    pool = BeamPool(model, opts)
+    first = pool.add(src[:5], pad[:5])
+    second = pool.add(src[5:9], pad[5:9])  # before the first step: its rows join as one each
+    found = pool.step()
+    third = pool.add(src[9:], pad[9:])  # a running pool: K rows each
+    while len(pool):
+        found.update(pool.step())
+    assert rows[0] == 9 and all(r % K == 0 for r in rows[1:])
+    for i, key in enumerate(first + second + third):
+        assert [h.tokens for h in found[key]] == [h.tokens for h in whole[i]]
+        assert [h.score for h in found[key]] == pytest.approx([h.score for h in whole[i]], abs=1e-5)
 
 
 @pytest.mark.parametrize("beam", [1, 4])
