@@ -142,7 +142,8 @@ def test_an_int8_gru_is_kept_by_its_workers_too(corpus, tmp_path: Path):
 
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")
 def test_a_cpu_translator_keeps_the_memory_its_searches_free(trained):
-    """A beam search over a vocabulary of 8,000 frees and takes blocks of MiBs at every step;
+    """A beam search over a vocabulary of 8,000 frees and takes blocks of MiBs at every step
+    (its two layers' caches, reordered);
     once a Translator has loaded for the CPU, the process reuses them instead of handing them
     back to the OS and faulting their pages in anew."""
     code = """
@@ -156,14 +157,14 @@ if len(sys.argv) > 1:
     Translator.load(sys.argv[1], device="cpu")
 torch.manual_seed(0)
 cfg = ModelConfig(arch="transformer", emb_size=256, hidden_size=256, heads=4, ff_size=1024,
-                  enc_layers=1, dec_layers=1)
+                  enc_layers=1, dec_layers=2)
 model = build_model(cfg, 8000, 8000, True).eval()
 src = torch.randint(4, 8000, (64, 20))
 def faults(calls):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(calls):
         with torch.inference_mode():
-            beam_search(model, src, src == 0, SearchOptions(Beam(5), max_len_a=0.0, max_len_b=12))
+            beam_search(model, src, src == 0, SearchOptions(Beam(5), max_len_a=0.0, max_len_b=20))
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 faults(2)  # the memory's first use faults in either way
 print(faults(4))
