@@ -208,7 +208,10 @@ def relu_dropout_linear(
         or torch.is_autocast_enabled("cpu")
     )
     if plain:
-        return linear(dropout(torch.relu(h), p, training))
+        # Without a gradient to take (decoding), ReLU overwrites h, W_1's output: one pass
+        # over the widest activation instead of a pass and a new tensor.
+        mine = h._base is None and not (torch.is_grad_enabled() and h.requires_grad)
+        return linear(dropout(torch.relu_(h) if mine else torch.relu(h), p, training))
     keep = keep_mask(tuple(h.shape), p)  # (N, d_in)
     out = _ReluDropoutLinear.apply(h, linear.weight, linear.bias, keep, 1.0 / (1.0 - p))
     return cast(torch.Tensor, out)

@@ -126,9 +126,18 @@ def test_relu_dropout_linear_equals_the_plain_composition(bias):
     torch.testing.assert_close(fast, plain)
     for a, b in zip(fast_grads, [t.grad for t in [x, *params]], strict=True):
         torch.testing.assert_close(a, b)
-    # In eval mode it is the plain composition.
+    # In eval mode it is the plain composition: h left as it was where autograd keeps it,
+    # overwritten by its ReLU where no gradient is taken (decoding: one pass fewer).
     h = w_1(x)
+    before = h.detach().clone()
     torch.testing.assert_close(relu_dropout_linear(h, linear, 0.3, False), linear(torch.relu(h)))
+    assert torch.equal(h, before)
+    with torch.no_grad():
+        h = w_1(x)
+        expected = linear(torch.relu(h))
+        assert bool((h < 0).any())
+        torch.testing.assert_close(relu_dropout_linear(h, linear, 0.3, False), expected)
+        assert torch.equal(h, torch.relu(before))
 
 
 def test_keep_mask_does_not_depend_on_the_thread_count():
