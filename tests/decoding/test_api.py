@@ -143,9 +143,9 @@ def test_an_int8_gru_is_kept_by_its_workers_too(corpus, tmp_path: Path):
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")
 def test_a_cpu_translator_keeps_the_memory_its_searches_free(trained):
     """A beam search over a vocabulary of 8,000 frees and takes blocks of MiBs at every step
-    (its two layers' caches, reordered);
-    once a Translator has loaded for the CPU, the process reuses them instead of handing them
-    back to the OS and faulting their pages in anew."""
+    (its two layers' caches, copied in the beams' new order); once a Translator has loaded for
+    the CPU, the process reuses them instead of handing them back to the OS and faulting their
+    pages in anew."""
     code = """
 import resource, sys, torch
 from attnmt import Translator
