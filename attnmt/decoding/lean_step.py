@@ -25,6 +25,7 @@ from torch import nn
 
 from attnmt.kernels import matmul
 from attnmt.kernels.int8 import Int8Linear
+from attnmt.models.attention import in_keys_dtype
 from attnmt.models.decoding_state import (
     LayerCache,
     RecurrentCache,
@@ -82,10 +83,7 @@ def stacked(modules: list[nn.Module]) -> Product | None:
     weights = [p.weight_t for p in parts if p.weight_t is not None]
     if len(weights) < len(parts):
         return None
-    bias = None  # (N_all,): zeros for a projection without
-    if any(p.bias is not None for p in parts):
-        bias = torch.cat([p.bias if p.bias is not None else w.new_zeros(w.size(1))
-                          for p, w in zip(parts, weights, strict=True)])  # fmt: skip
+    bias = matmul.side_by_side([p.bias for p in parts], [w.size(1) for w in weights])
     return Product(torch.cat(weights, dim=1).contiguous(), bias, modules[0])  # (K, N_all)
 
 
@@ -141,8 +139,7 @@ def _norm(norm: nn.LayerNorm, x: Tensor) -> Tensor:
 
 def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     """softmax(q kᵀ / √d + mask) v in the dtype k and v are kept in (cache_dtype)."""
-    if q.dtype != k.dtype:
-        q, mask = q.to(k.dtype), None if mask is None else mask.to(k.dtype)
+    q, mask = in_keys_dtype(q, mask, k)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 

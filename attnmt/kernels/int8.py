@@ -26,6 +26,8 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from attnmt.kernels.matmul import side_by_side
+
 # Products with fewer outputs stay fp32: Bahdanau's energy layer (one output) is a
 # matrix-vector product bound by memory, where int8 saves nothing.
 MIN_OUT_FEATURES = 16
@@ -91,11 +93,10 @@ class Int8Linear(nn.Module):
         same int8 rows and scales, packed anew (about 3 ms for 1,500 x 256) for fbgemm only (a
         second packing would double that for each batch's rows)."""
         q = self.q_weight
-        q_rows = torch._make_per_channel_quantized_tensor(
+        q_rows = _per_channel(
             q.int_repr().index_select(0, index),
             q.q_per_channel_scales().index_select(0, index),
             q.q_per_channel_zero_points().index_select(0, index),
-            0,
         )
         bias = None if self.bias is None else self.bias.index_select(0, index)
         return Int8Linear(q_rows, bias, not self.reduce_range)
@@ -106,17 +107,12 @@ class Int8Linear(nn.Module):
         rows and scales stacked, so each output equals its own layer's (the input is quantized
         once for all: the same scale as each would give it)."""
         qs = [layer.q_weight for layer in layers]
-        q = torch._make_per_channel_quantized_tensor(
+        q = _per_channel(
             torch.cat([x.int_repr() for x in qs]),
             torch.cat([x.q_per_channel_scales() for x in qs]),
             torch.cat([x.q_per_channel_zero_points() for x in qs]),
-            0,
         )
-        biases = [layer.bias for layer in layers]
-        bias = None
-        if any(b is not None for b in biases):  # zeros for a layer without
-            bias = torch.cat([b if b is not None else torch.zeros(m.out_features)
-                              for b, m in zip(biases, layers, strict=True)])  # fmt: skip
+        bias = side_by_side([m.bias for m in layers], [m.out_features for m in layers])
         both = Int8Linear(q, bias, not layers[0].reduce_range)
         if layers[0].wide is not None:  # packed both ways as they were
             both.wide = both.packed_for("onednn")
@@ -135,6 +131,13 @@ class Int8Linear(nn.Module):
             return torch.ops.quantized.linear_prepack(self.q_weight, self.bias)
         finally:
             torch.backends.quantized.engine = before
+
+
+def _per_channel(
+    int_repr: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor
+) -> torch.Tensor:
+    """An int8 weight (N, K) with one scale and zero point per output row (axis 0)."""
+    return torch._make_per_channel_quantized_tensor(int_repr, scales, zero_points, 0)
 
 
 class Int8GRU(torch.ao.nn.quantized.dynamic.GRU):

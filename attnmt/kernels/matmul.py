@@ -198,6 +198,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y if x.dim() == 2 else y.view(*x.shape[:-1], N)  # (..., N)
 
 
+def side_by_side(biases: list[torch.Tensor | None], sizes: list[int]) -> torch.Tensor | None:
+    """The biases of products computed as one, their outputs (`sizes` of them each) side by
+    side: one (sum sizes,) vector, zeros for a product without; None if none has one."""
+    if all(b is None for b in biases):
+        return None
+    like = next(b for b in biases if b is not None)
+    return torch.cat([like.new_zeros(n) if b is None else b
+                      for b, n in zip(biases, sizes, strict=True)])  # fmt: skip
+
+
 def column_major_weights(model: nn.Module) -> nn.Module:
     """The model, in place, with each linear layer's fp32 CPU weight (N, K) stored column-major
     (its transpose contiguous), for decoding. F.linear computes x Wᵀ; with Wᵀ contiguous MKL's

@@ -139,6 +139,17 @@ def additive_mask(
     return mask
 
 
+def in_keys_dtype(
+    q: torch.Tensor, mask: torch.Tensor | None, k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The queries and the additive mask in the dtype the keys and values are kept in (a
+    decoder's cache_dtype: int8 decoding keeps them in bf16), where it differs: attention is
+    computed in it."""
+    if q.dtype == k.dtype:
+        return q, mask
+    return q.to(k.dtype), None if mask is None else mask.to(k.dtype)
+
+
 def causal_mask(size: int, device: torch.device | None = None) -> torch.Tensor:
     """(T, T) bool mask, True above the diagonal: position t may not see t' > t."""
     return torch.ones(size, size, dtype=torch.bool, device=device).triu(1)
@@ -260,9 +271,7 @@ class MultiHeadAttention(nn.Module):
         if q_positions is not None:
             q = rotary(q, q_positions)  # (B, h, T_q, d)
         dtype = q.dtype  # the answer's
-        if dtype != k.dtype:  # keys and values kept in another dtype: attend in theirs
-            q = q.to(k.dtype)
-            mask = None if mask is None else mask.to(k.dtype)
+        q, mask = in_keys_dtype(q, mask, k)
         p = self.dropout if self.training else 0.0
         # torch's fused kernel where it is faster (attnmt.kernels); it gives no weights.
         out = None if need_weights else fused_attention(q, k, v, mask, causal, p)
