@@ -9,6 +9,9 @@ result does not depend on when it joined.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from attnmt.decoding.constraints import Constraints, Wanted
@@ -28,6 +31,21 @@ from attnmt.decoding.search import (
 from attnmt.kernels import topk_rows
 from attnmt.models.rows import kept_order
 from attnmt.models.seq2seq import Seq2Seq
+
+
+@dataclass
+class _Cohort:
+    """A pool's sentences that joined it at one step (Seq2Seq.decode_cohorts), or later ones
+    put with them (BeamPool.add): their memory, decoder state and number."""
+
+    memory: Any
+    state: Any
+    n: int
+    fresh: bool  # no step taken yet: one decoding row per sentence, not K
+
+    def rows(self, K: int) -> int:
+        """Its decoding rows."""
+        return self.n if self.fresh else self.n * K
 
 
 class BeamPool:
@@ -56,7 +74,10 @@ class BeamPool:
         self.results = _Finished(method.length_penalty, method.n_best)
         self.ids: list[int] = []  # each active sentence's id (its block of K rows)
         self.next_id = 0
-        self.fresh = False  # no step taken yet: one row per sentence, not K (add)
+        # The sentences' memory and state, by the step they joined at (their rows in order).
+        self.cohorts: list[_Cohort] = []
+        # Attention maps are the module path's: a step of its own for each cohort.
+        self.max_cohorts = model.max_cohorts if options.attention is None else 1
 
     def __len__(self) -> int:
         """Sentences still searching."""
@@ -73,14 +94,23 @@ class BeamPool:
         the pool is constrained) and add its sentences; returns their ids (step's keys)."""
         B, K, device, model = src.size(0), self.K, src.device, self.model
         assert (wanted is not None) == self.constrained
-        # One memory row per sentence, shared by its beams. Sentences added before a pool's
-        # first step start as one row each (fresh: their K beams would be K copies of it
-        # until that step has chosen K tokens); those that join a running pool with K rows.
+        # One memory row per sentence, shared by its beams. The sentences start as a cohort
+        # of their own, one row each until their first step has chosen K tokens (their K
+        # beams would be K copies of it); where the pool has as many cohorts as its model
+        # shares a step among, they join the youngest, with K rows each unless it is fresh.
         memory = encode_joining(model, src, src_pad_mask)
-        fresh = not self.ids or self.fresh
+        last = self.cohorts[-1] if self.cohorts else None
+        join = last is not None and (last.fresh or len(self.cohorts) >= self.max_cohorts)
+        fresh = last is None or not join or last.fresh
         state = model.init_state(memory)
         if not fresh:
             state = model.select_state(state, torch.arange(B, device=device).repeat_interleave(K))
+        if join:
+            assert last is not None
+            last.memory = model.join_memory(last.memory, memory)
+            last.state, last.n = model.join_state(last.state, state), last.n + B
+        else:
+            self.cohorts.append(_Cohort(memory, state, B, fresh=True))
         scores = torch.full((B, K), float("-inf"), device=device)  # summed log-probs
         scores[:, 0] = 0.0  # only the first beam starts alive: not K copies of one token
         limits = max_output_lengths(src_pad_mask, self.options)  # (B,)
@@ -89,16 +119,13 @@ class BeamPool:
         self.next_id += B
         prev = torch.full((B if fresh else B * K,), model.bos_id, dtype=torch.long, device=device)
         steps = torch.zeros(B, dtype=torch.long, device=device)
-        self.fresh = fresh
         if not self.ids:
-            self.memory, self.state, self.scores, self.limits = memory, state, scores, limits
+            self.scores, self.limits = scores, limits
             self.chooser, self.ids, self.forced, self.prev, self.steps = (
                 chooser, list(ids), forced, prev, steps)  # fmt: skip
             self.tokens = torch.zeros(B * K, 0, dtype=torch.long, device=device)  # (n*K, t)
             self.attn: torch.Tensor | None = None  # (n*K, t, S)
             return ids
-        self.memory = model.join_memory(self.memory, memory)
-        self.state = model.join_state(self.state, state)
         self.forced = join_forced(self.forced, forced, len(self.ids), B, device)
         self.scores, self.limits = (
             torch.cat([self.scores, scores]),
@@ -120,19 +147,21 @@ class BeamPool:
         # Long: one step whose four numbered parts share the beams' state (scores, tokens,
         # state, attention, active sentences); the choice (1, 2) is the chooser's and the
         # finishing (3) _Finished.settle's, the rest would pass all of that state around.
-        model, K, n, fresh = self.model, self.K, len(self.ids), self.fresh
+        model, K, n, cohorts = self.model, self.K, len(self.ids), self.cohorts
         device = self.scores.device
-        logits, state, attn = model.decode_step(
-            self.memory, self.state, self.prev, self.options.attention
-        )  # (n*K, V); fresh: (n, V), one row per sentence
+        sizes = [c.rows(K) for c in cohorts]  # decoding rows: a fresh cohort's one a sentence
+        logits, states, attn = model.decode_cohorts(
+            [c.memory for c in cohorts], [c.state for c in cohorts], self.prev, sizes,
+            self.options.attention,
+        )  # (R, V): R = n*K but for fresh cohorts' sentences, one row each  # fmt: skip
+        read = self._rows_read(device) if any(c.fresh for c in cohorts) else None
         want = forced_at(self.forced, self.steps)  # (n,) or None
-        if want is not None and not fresh:
-            want = want.repeat_interleave(K)
-        logp = step_log_probs(logits, self.banned, want)  # (n*K, V)
-        if fresh:  # each sentence's K beams: its one row (only the first beam is alive)
-            logp = logp.repeat_interleave(K, dim=0)
-            attn = None if attn is None else attn.repeat_interleave(K, dim=0)
-            self.fresh = False
+        if want is not None:
+            want = want.repeat_interleave(K) if read is None else want.index_select(0, read[1])
+        logp = step_log_probs(logits, self.banned, want)  # (R, V)
+        if read is not None:  # each beam's row: a fresh sentence's K beams read its one row
+            logp = logp.index_select(0, read[0])  # (n*K, V)
+            attn = None if attn is None else attn.index_select(0, read[0])
         if attn is not None:
             self.attn = append_attention(self.attn, attn)  # (n*K, t+1, S)
         # 1. EOS among each sentence's first K candidates finishes a hypothesis; 2. the K
@@ -148,7 +177,7 @@ class BeamPool:
         new_beam = top_beam.gather(1, pick)  # (n, K)
         new_tok = top_tok.gather(1, pick)  # (n, K)
         rows = (torch.arange(n, device=device).unsqueeze(1) * K + new_beam).view(-1)  # (n*K,)
-        origin = rows // K if fresh else rows  # the state's row each new beam goes on from
+        origin = rows if read is None else read[0][rows]  # the decoding row each beam goes on from
         self.tokens = torch.cat([self.tokens[rows], new_tok.view(-1, 1)], dim=1)  # (n*K, t+1)
         if self.attn is not None:
             self.attn = self.attn[rows]
@@ -165,21 +194,18 @@ class BeamPool:
         done = {i: self.results.pop(i) for r, i in enumerate(self.ids) if r not in kept}
         # 4. Done sentences leave; the others go on with their reordered beams.
         self.scores, self.prev, self.steps = new_scores, new_tok.view(-1), self.steps + 1
-        if len(keep) == n:
-            self.state = model.select_state(state, origin)
+        live = None
+        if len(keep) < n:
+            live = torch.zeros(n, dtype=torch.bool)
+            live[keep] = True
+        keep_t = self._go_on(states, sizes, origin, live)
+        if keep_t is None:
             return done
-        if not keep:
+        if not self.cohorts:
             self.ids = []
             return done
-        # The last sentences kept take the places of those done: only they are copied.
-        live = torch.zeros(n, dtype=torch.bool)
-        live[keep] = True
-        keep_t = kept_order(live).to(device)  # (n',)
         keep_rows = (keep_t.unsqueeze(1) * K + torch.arange(K, device=device)).view(-1)
         self.ids = [self.ids[r] for r in keep_t.tolist()]
-        self.memory = model.keep_memory(self.memory, keep_t)
-        # One gather of the decoder state: the reordered beams of the sentences kept.
-        self.state = model.select_state(state, origin[keep_rows])
         self.scores, self.limits, self.steps = (
             self.scores[keep_t], self.limits[keep_t], self.steps[keep_t])  # fmt: skip
         self.forced = None if self.forced is None else self.forced[keep_t]
@@ -191,6 +217,49 @@ class BeamPool:
             self.tokens = self.tokens[:, cut:]
             self.attn = None if self.attn is None else self.attn[:, cut:]
         return done
+
+    def _rows_read(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where a cohort is fresh (one decoding row per sentence): the decoding row each
+        beam reads (n*K,), and the sentence each decoding row is (R,)."""
+        K, beams, sentences, at, s = self.K, [], [], 0, 0
+        for c in self.cohorts:
+            mine = torch.arange(s, s + c.n)
+            if c.fresh:
+                beams.append(torch.arange(at, at + c.n).repeat_interleave(K))
+                sentences.append(mine)
+            else:
+                beams.append(torch.arange(at, at + c.n * K))
+                sentences.append(mine.repeat_interleave(K))
+            at, s = at + c.rows(K), s + c.n
+        return torch.cat(beams).to(device), torch.cat(sentences).to(device)
+
+    def _go_on(
+        self, states: list, sizes: list[int], origin: torch.Tensor, live: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """Each cohort's new state: its beams' rows in their new order (origin (n*K,): the
+        decoding row each continues), without the sentences not `live` (n,) (None: all go
+        on), whose places the cohort's last sentences take (only they are copied, within
+        its memory's buffers). Returns the sentences kept, in their new order (n',), or None
+        when all go on."""
+        K, model, kept, orders, s, at = self.K, self.model, [], [], 0, 0
+        for c, state, size in zip(self.cohorts, states, sizes, strict=True):
+            beams = origin[s * K : (s + c.n) * K] - at  # (n_c*K,) rows of the cohort's state
+            c.fresh, mine = False, None
+            if live is not None:
+                mine = kept_order(live[s : s + c.n]).to(origin.device)  # (n_c',)
+                orders.append(mine + s)
+            s, at = s + c.n, at + size
+            if mine is None or mine.numel() == c.n:
+                c.state = model.select_state(state, beams)
+                kept.append(c)
+            elif mine.numel():
+                keep_rows = (mine.unsqueeze(1) * K + torch.arange(K, device=mine.device)).view(-1)
+                c.memory = model.keep_memory(c.memory, mine)
+                # One gather of the decoder state: the reordered beams of the sentences kept.
+                c.state, c.n = model.select_state(state, beams[keep_rows]), mine.numel()
+                kept.append(c)
+        self.cohorts = kept
+        return None if live is None else torch.cat(orders)
 
 
 @torch.no_grad()

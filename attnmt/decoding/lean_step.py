@@ -16,6 +16,7 @@ their own form; int8 products (Int8Linear) are called as modules.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ from attnmt.models.decoding_state import (
     TransformerMemory,
     TransformerState,
     append_position,
+    per_row,
 )
 from attnmt.models.transformer import ACTIVATIONS, DecoderLayer, TransformerSeq2Seq
 
@@ -143,8 +145,33 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+@dataclass
+class _Cohort:
+    """What a layer of the step reads and writes of one cohort (decode_cohorts): its rows of
+    the step's (N, d) rows (None: all of them), its cache of the layer (replaced by the grown
+    one), its memory's keys and values, its state (pending row order, positions)."""
+
+    rows: slice | None
+    cache: LayerCache | RecurrentCache
+    cross_k: Tensor  # (B, h, S, d_h)
+    cross_v: Tensor
+    src_mask: Tensor  # (B, 1, 1, S)
+    state: TransformerState
+    self_mask: Tensor | None  # (n, 1, 1, t+1): rows at their own positions, or None
+
+    def of(self, x: Tensor) -> Tensor:
+        """The cohort's rows of x (N, ...)."""
+        return x if self.rows is None else x[self.rows]
+
+
+def _stacked(parts: list[Tensor]) -> Tensor:
+    """The cohorts' rows one after another (N, ...)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 class LeanStep:
-    """TransformerSeq2Seq.decode_step without attention weights, in fewer operations."""
+    """TransformerSeq2Seq.decode_step without attention weights, in fewer operations; and
+    decode_cohorts: one step of several cohorts, the products shared, attention per cohort."""
 
     def __init__(self, model: TransformerSeq2Seq) -> None:
         self.model = model
@@ -154,26 +181,46 @@ class LeanStep:
     def __call__(
         self, memory: TransformerMemory, state: TransformerState, prev_tokens: Tensor
     ) -> tuple[Tensor, TransformerState, None]:
+        logits, (state,) = self.cohorts([memory], [state], prev_tokens, [prev_tokens.numel()])
+        return logits, state, None
+
+    def cohorts(
+        self,
+        memories: list[TransformerMemory],
+        states: list[TransformerState],
+        prev_tokens: Tensor,
+        sizes: list[int],
+    ) -> tuple[Tensor, list[TransformerState]]:
+        """Cohort i's rows are sizes[i] consecutive rows of prev_tokens (N,) -> logits (N, V)
+        and each cohort's new state."""
         model = self.model
-        x = model.tgt_embed(prev_tokens.unsqueeze(1), offset=state.position)  # (N, 1, d)
+        if len(states) == 1:
+            offset: int | Tensor = states[0].position
+        else:
+            offset = torch.cat([per_row(s) for s in states])  # (N,)
+        x = model.tgt_embed(prev_tokens.unsqueeze(1), offset=offset)  # (N, 1, d)
         N, _, d = x.shape
         x = x.view(N, d)  # (N, d)
-        self_mask = model._joined_mask(state)  # (N, 1, 1, t+1) or None
-        caches: list = []
-        for lean, layer, cache, (k, v) in zip(
-            self.layers, model.decoder_layers, state.caches, memory.cross, strict=True
-        ):
-            if lean is None:
-                y, cache, _ = layer.step(
-                    x.view(N, 1, d), cache, k, v, memory.src_mask, rows=state.rows,
-                    position=state.position, self_mask=self_mask,
-                )  # fmt: skip
-                x = y.view(N, d)
-            else:
-                x, cache = self._layer(lean, x, cache, k, v, memory.src_mask, state, self_mask)
-            caches.append(cache)
+        ends = list(itertools.accumulate(sizes))
+        rows = (
+            [None]
+            if len(sizes) == 1
+            else [slice(e - n, e) for n, e in zip(sizes, ends, strict=True)]
+        )
+        masks = [model._joined_mask(s) for s in states]  # (n, 1, 1, t+1) or None each
+        caches: list[list] = [[] for _ in states]
+        for i, (lean, layer) in enumerate(zip(self.layers, model.decoder_layers, strict=True)):
+            parts = [
+                _Cohort(r, s.caches[i], *m.cross[i], m.src_mask, s, mask)
+                for r, s, m, mask in zip(rows, states, memories, masks, strict=True)
+            ]
+            x = self._layer(lean, x, parts) if lean is not None else _module_layer(layer, x, parts)
+            for kept, part in zip(caches, parts, strict=True):
+                kept.append(part.cache)
         logits = model.output(model.dec_norm(x))  # (N, V)
-        return logits, TransformerState(caches, state.position + 1), None
+        return logits, [
+            TransformerState(c, s.position + 1) for c, s in zip(caches, states, strict=True)
+        ]
 
     def _sublayer_in(self, norm: nn.LayerNorm, x: Tensor) -> Tensor:
         return _norm(norm, x) if self.pre_norm else x
@@ -182,28 +229,21 @@ class LeanStep:
         """y = x + sublayer(...) already; post-norm normalises the sum."""
         return y if self.pre_norm else _norm(norm, y)
 
-    def _layer(
-        self,
-        lean: LeanLayer,
-        x: Tensor,
-        cache: LayerCache | RecurrentCache,
-        cross_k: Tensor,
-        cross_v: Tensor,
-        src_mask: Tensor,
-        state: TransformerState,
-        self_mask: Tensor | None,
-    ) -> tuple[Tensor, LayerCache | RecurrentCache]:
-        """One decoder layer (DecoderLayer.step): x (N, d) -> (N, d) and the grown cache."""
+    def _layer(self, lean: LeanLayer, x: Tensor, parts: list[_Cohort]) -> Tensor:
+        """One decoder layer (DecoderLayer.step): x (N, d) -> (N, d); each cohort's cache
+        replaced by the grown one."""
         N, d = x.shape
         h_, d_h = lean.heads, d // lean.heads
         h = self._sublayer_in(lean.norms[0], x)
-        if isinstance(cache, RecurrentCache):  # an SSRU (attnmt.models.ssru)
+        if isinstance(parts[0].cache, RecurrentCache):  # an SSRU (attnmt.models.ssru)
             assert lean.ssru is not None
             wx, gate = lean.ssru(h).chunk(2, dim=1)  # (N, d) each: W x, W_f x + b_f
             f = torch.sigmoid(gate)
-            c = cache.c if state.rows is None else cache.c.index_select(0, state.rows)  # (N, d)
+            c = _stacked([_recurrent(p) for p in parts])  # (N, d)
             c = f * c + (1 - f) * wx  # c_t
-            cache, y = RecurrentCache(c), torch.relu(c).add_(x)  # o_t + x
+            for p in parts:
+                p.cache = RecurrentCache(p.of(c))
+            y = torch.relu(c).add_(x)  # o_t + x
         else:
             assert lean.out is not None
             if lean.qkv is not None:
@@ -211,19 +251,51 @@ class LeanStep:
             else:
                 assert lean.separate is not None
                 q, k, v = (p(h).view(N, h_, 1, d_h) for p in lean.separate)
-            cache = append_position(cache, k, v, state.rows)  # (N, h, t+1, d_h) each
-            a = _attention(q, cache.self_k, cache.self_v, self_mask).to(x.dtype)  # (N, h, 1, d_h)
+            outs = []
+            for p in parts:
+                assert isinstance(p.cache, LayerCache)
+                p.cache = append_position(
+                    p.cache, p.of(k), p.of(v), p.state.rows
+                )  # (n, h, t+1, d_h)
+                outs.append(_attention(p.of(q), p.cache.self_k, p.cache.self_v, p.self_mask))
+            a = _stacked(outs).to(x.dtype)  # (N, h, 1, d_h)
             y = lean.out(a.view(N, d), residual=x)  # (N, d)
         x = self._sublayer_out(lean.norms[0], y)
         h = self._sublayer_in(lean.norms[1], x)
-        B = cross_k.size(0)  # a group of N // B rows (a sentence's beams) per memory row
-        q = lean.cross_q(h).view(B, N // B, h_, d_h).transpose(1, 2)  # (B, h, G, d_h)
-        a = _attention(q, cross_k, cross_v, src_mask)  # (B, h, G, d_h)
-        a = a.transpose(1, 2).reshape(N, d).to(x.dtype)  # (N, d)
+        q_all, outs = lean.cross_q(h), []  # (N, d)
+        for p in parts:
+            q = p.of(q_all)  # (n, d)
+            n, B = q.size(0), p.cross_k.size(0)  # a group of n // B rows per memory row
+            q = q.view(B, n // B, h_, d_h).transpose(1, 2)  # (B, h, G, d_h)
+            a = _attention(q, p.cross_k, p.cross_v, p.src_mask)  # (B, h, G, d_h)
+            outs.append(a.transpose(1, 2).reshape(n, d))  # (n, d)
+        a = _stacked(outs).to(x.dtype)  # (N, d)
         x = self._sublayer_out(lean.norms[1], lean.cross_out(a, residual=x))
         h = self._sublayer_in(lean.norms[2], x)
         f = lean.activation(lean.ff_in(h))  # (N, ff)
-        return self._sublayer_out(lean.norms[2], lean.ff_out(f, residual=x)), cache
+        return self._sublayer_out(lean.norms[2], lean.ff_out(f, residual=x))
+
+
+def _recurrent(part: _Cohort) -> Tensor:
+    """An SSRU cohort's c_{t-1} in its rows' order (n, d)."""
+    assert isinstance(part.cache, RecurrentCache)
+    rows = part.state.rows
+    return part.cache.c if rows is None else part.cache.c.index_select(0, rows)
+
+
+def _module_layer(layer: DecoderLayer, x: Tensor, parts: list[_Cohort]) -> Tensor:
+    """A layer the lean step does not cover (rotary positions), as its module steps each
+    cohort: x (N, d) -> (N, d)."""
+    d = x.size(1)
+    outs = []
+    for p in parts:
+        rows = p.of(x)
+        y, p.cache, _ = layer.step(
+            rows.view(-1, 1, d), p.cache, p.cross_k, p.cross_v, p.src_mask, rows=p.state.rows,
+            position=p.state.position, self_mask=p.self_mask,
+        )  # fmt: skip
+        outs.append(y.view(-1, d))
+    return _stacked(outs)
 
 
 def attach(model: nn.Module) -> None:

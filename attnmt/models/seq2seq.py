@@ -12,6 +12,12 @@ join a running search). The state may have G times as many rows as the memory (G
 i*G .. i*G+G-1 of the state and of prev_tokens then all attend over memory row i. Beam search
 keeps one memory row per sentence for its K beams that way, so the source side is read once
 per sentence, not once per beam, and reordering beams touches only the state.
+
+`decode_cohorts` steps several (memory, state) pairs at once, each with rows of its own: a
+pool of sentences that joined at different steps keeps each step's newcomers as a cohort of
+their own, so that a cohort's caches are as long as its own steps, not its oldest
+neighbour's. A model that shares the step's products among cohorts says how many cohorts it
+takes (`max_cohorts`); the others take one (join_state puts newcomers with the rest).
 """
 
 from __future__ import annotations
@@ -71,6 +77,31 @@ class Seq2Seq(nn.Module):
         attention (N, S) chosen by `attention` (None when not asked for). N = G * B for a
         memory of B rows: rows i*G .. i*G+G-1 share memory row i."""
         raise NotImplementedError
+
+    # Cohorts decode_cohorts shares a step among (1: each would be a step of its own).
+    max_cohorts = 1
+
+    def decode_cohorts(
+        self,
+        memories: list[Any],
+        states: list[Any],
+        prev_tokens: torch.Tensor,
+        sizes: list[int],
+        attention: AttentionSpec | None = None,
+    ) -> tuple[torch.Tensor, list[Any], torch.Tensor | None]:
+        """decode_step of several cohorts, each a (memory, state) pair whose rows are
+        `sizes[i]` consecutive rows of prev_tokens (N,) -> logits (N, V), each cohort's new
+        state, the attention (N, S) (one cohort only). Here one decode_step each."""
+        if len(states) == 1:
+            logits, state, attn = self.decode_step(memories[0], states[0], prev_tokens, attention)
+            return logits, [state], attn
+        assert attention is None, "attention weights are returned for one cohort only"
+        logits, new = [], []
+        for memory, state, prev in zip(memories, states, prev_tokens.split(sizes), strict=True):
+            out, state, _ = self.decode_step(memory, state, prev)
+            logits.append(out)
+            new.append(state)
+        return torch.cat(logits), new, None
 
     def select_memory(self, memory: Any, index: torch.Tensor) -> Any:
         """Keep rows `index` (B',) of the memory (drop finished sentences, expand to beams)."""

@@ -274,6 +274,10 @@ class DecoderLayer(nn.Module):
 
 # A pool's memory is copied narrower once its rows need this share of its width or less.
 NARROWER = 0.75
+# Cohorts of a pool's sentences (those that joined at one step) that a decoding step shares
+# its products among, each attending over caches as long as its own steps (decode_cohorts);
+# newcomers beyond them join the youngest, padded to its steps.
+COHORTS = 8
 
 
 class TransformerSeq2Seq(Seq2Seq):
@@ -300,6 +304,7 @@ class TransformerSeq2Seq(Seq2Seq):
             self.output.weight = tgt_embed.weight
         # Decoding's leaner form of decode_step (attnmt.decoding.lean_step, set by for_decoding):
         # the same function in fewer operations, used unless attention weights are asked for.
+        # Its `cohorts` shares one step's products among cohorts (decode_cohorts).
         self.lean_step: Callable[..., tuple[torch.Tensor, TransformerState, None]] | None = None
         # Decoding: the dtype the memory's keys and values and the self-attention caches are
         # kept in (int8 decoding keeps them in bf16: half the bytes attention reads), or None:
@@ -431,6 +436,26 @@ class TransformerSeq2Seq(Seq2Seq):
                     attn = w.mean(dim=1) if attention.head is None else w[:, attention.head]
         logits = self.output(self.dec_norm(x)).squeeze(1)  # (B, V)
         return logits, TransformerState(caches, state.position + 1), attn
+
+    @property
+    def max_cohorts(self) -> int:  # type: ignore[override]
+        """The lean step shares its products among cohorts; the module path would not."""
+        return COHORTS if self.lean_step is not None else 1
+
+    def decode_cohorts(
+        self,
+        memories: list[TransformerMemory],
+        states: list[TransformerState],
+        prev_tokens: torch.Tensor,
+        sizes: list[int],
+        attention: AttentionSpec | None = None,
+    ) -> tuple[torch.Tensor, list[TransformerState], torch.Tensor | None]:
+        """One product per layer for all cohorts' rows; attention per cohort, over its own
+        caches and source (the lean step's `cohorts`)."""
+        if len(states) == 1 or self.lean_step is None or attention is not None:
+            return super().decode_cohorts(memories, states, prev_tokens, sizes, attention)
+        logits, new = self.lean_step.cohorts(memories, states, prev_tokens, sizes)  # type: ignore[attr-defined]
+        return logits, new, None
 
     def select_memory(self, memory: TransformerMemory, index: torch.Tensor) -> TransformerMemory:
         return TransformerMemory(

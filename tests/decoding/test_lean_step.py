@@ -145,3 +145,45 @@ def test_the_lean_step_keeps_the_matmul_backend(monkeypatch):
     _close(*out)
     # every product of the step, as the model's own: q, k and v in one instead of three
     assert lean_calls == len(calls) - 2 * len(lean.decoder_layers) > 0
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cohorts_stepped_together_equal_their_own_steps(variant: str):
+    """decode_cohorts: cohorts at different steps (one of beams reordered at every step,
+    two rows per memory row) share each step's products and give what each one's own
+    decode_step gives."""
+    lean, plain = _pair(**VARIANTS[variant])
+    a, b = random_batch(seed=6, B=3), random_batch(seed=7, B=2)
+    with torch.no_grad():
+        out = {}
+        for model in (lean, plain):
+            old = model.encode(a.src, a.src_pad_mask)
+            old_state = model.select_state(
+                model.init_state(old), torch.arange(3).repeat_interleave(2)
+            )
+            new, new_state = None, None
+            logits_all = []
+            for step in range(4):
+                if step == 2:  # the second cohort joins
+                    new = model.encode(b.src, b.src_pad_mask)
+                    new_state = model.init_state(new)
+                memories, states = [old], [old_state]
+                if new is not None:
+                    memories.append(new)
+                    states.append(new_state)
+                sizes = [6] + ([2] if new is not None else [])
+                prev = torch.arange(sum(sizes)) % 7 + 4
+                if model is lean:
+                    logits, states, _ = model.decode_cohorts(memories, states, prev, sizes)
+                else:  # each cohort its own step
+                    steps = [model.decode_step(m, s, p) for m, s, p in
+                             zip(memories, states, prev.split(sizes), strict=True)]  # fmt: skip
+                    logits = torch.cat([x for x, _, _ in steps])
+                    states = [s for _, s, _ in steps]
+                logits_all.append(logits)
+                flip = torch.tensor([1, 1, 3, 2, 4, 5])  # each sentence's beams reordered
+                old_state = model.select_state(states[0], flip)
+                new_state = states[1] if new is not None else None
+            out[model is lean] = logits_all
+    for x, y in zip(out[True], out[False], strict=True):
+        _close(x, y)

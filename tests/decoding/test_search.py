@@ -265,6 +265,48 @@ def test_beam_pool_first_step_decodes_one_row_per_sentence(trained, monkeypatch)
         assert [h.score for h in found[key]] == pytest.approx([h.score for h in whole[i]], abs=1e-5)
 
 
+@pytest.mark.parametrize("cohorts", [8, 2])
+def test_beam_pool_keeps_each_join_as_a_cohort(trained, cohorts, monkeypatch):
+    """Sentences that join a running pool at a step of their own are a cohort of their own
+    (a Transformer's lean step shares the products among cohorts): its caches are as long
+    as its own steps, not the oldest sentence's, and its first step decodes one row per
+    sentence. Past the model's cohorts, newcomers join the youngest. Every sentence finds
+    what the batch search finds."""
+    import attnmt.models.transformer as transformer
+
+    model, _, src, pad = trained
+    model = for_decoding(copy.deepcopy(model), "fp32")
+    monkeypatch.setattr(transformer, "COHORTS", cohorts)
+    K = 3
+    opts = SearchOptions(Beam(K, n_best=2), max_len_a=1.5, max_len_b=5)
+    whole = beam_search(model, src, pad, opts)
+    sizes: list[list[int]] = []
+    decode = model.decode_cohorts
+    monkeypatch.setattr(model, "decode_cohorts", lambda m, s, prev, n, a=None: (
+        sizes.append(list(n)) or decode(m, s, prev, n, a)))  # fmt: skip
+    pool, found, keys = BeamPool(model, opts), {}, []
+    for start, end in ((0, 4), (4, 7), (7, 9), (9, 12)):
+        keys += pool.add(src[start:end], pad[start:end])
+        found.update(pool.step())
+        if start == 7:  # three joins so far, each at a step of its own
+            assert len(pool.cohorts) == (min(3, cohorts) if model.max_cohorts > 1 else 1)
+            at, lengths = 0, []
+            for c in pool.cohorts:  # each cohort's sentences are consecutive in the pool
+                steps = int(pool.steps[at : at + c.n].max())
+                at += c.n
+                if hasattr(c.state, "caches"):  # a Transformer: caches of its own steps
+                    lengths.append(c.state.caches[0].self_k.size(2))
+                    assert lengths[-1] == steps
+            assert lengths == sorted(lengths, reverse=True)
+    while len(pool):
+        found.update(pool.step())
+    if model.max_cohorts > 1:
+        assert sizes[1] == [4 * K, 3]  # the newcomers' first step: one row each
+    for i, key in enumerate(keys):
+        assert [h.tokens for h in found[key]] == [h.tokens for h in whole[i]]
+        assert [h.score for h in found[key]] == pytest.approx([h.score for h in whole[i]], abs=1e-5)
+
+
 @pytest.mark.parametrize("beam", [1, 4])
 def test_same_output_whatever_batch_size_and_order(trained, beam):
     model, tok, _, _ = trained
