@@ -9,14 +9,12 @@ result does not depend on when it joined.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 
 from attnmt.decoding.constraints import Constraints, Wanted
 from attnmt.decoding.search import (
     Beam,
+    Cohort,
     Hypothesis,
     SearchOptions,
     append_attention,
@@ -31,21 +29,6 @@ from attnmt.decoding.search import (
 from attnmt.kernels import topk_rows
 from attnmt.models.rows import kept_order
 from attnmt.models.seq2seq import Seq2Seq
-
-
-@dataclass
-class _Cohort:
-    """A pool's sentences that joined it at one step (Seq2Seq.decode_cohorts), or later ones
-    put with them (BeamPool.add): their memory, decoder state and number."""
-
-    memory: Any
-    state: Any
-    n: int
-    fresh: bool  # no step taken yet: one decoding row per sentence, not K
-
-    def rows(self, K: int) -> int:
-        """Its decoding rows."""
-        return self.n if self.fresh else self.n * K
 
 
 class BeamPool:
@@ -75,7 +58,7 @@ class BeamPool:
         self.ids: list[int] = []  # each active sentence's id (its block of K rows)
         self.next_id = 0
         # The sentences' memory and state, by the step they joined at (their rows in order).
-        self.cohorts: list[_Cohort] = []
+        self.cohorts: list[Cohort] = []
         # Attention maps are the module path's: a step of its own for each cohort.
         self.max_cohorts = model.max_cohorts if options.attention is None else 1
 
@@ -110,7 +93,7 @@ class BeamPool:
             last.memory = model.join_memory(last.memory, memory)
             last.state, last.n = model.join_state(last.state, state), last.n + B
         else:
-            self.cohorts.append(_Cohort(memory, state, B, fresh=True))
+            self.cohorts.append(Cohort(memory, state, B, fresh=True))
         scores = torch.full((B, K), float("-inf"), device=device)  # summed log-probs
         scores[:, 0] = 0.0  # only the first beam starts alive: not K copies of one token
         limits = max_output_lengths(src_pad_mask, self.options)  # (B,)

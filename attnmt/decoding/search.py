@@ -188,6 +188,22 @@ def step_log_probs(
 
 
 @dataclass
+class Cohort:
+    """Beam search's sentences that joined its pool at one step (Seq2Seq.decode_cohorts), or
+    later ones put with them once the model's cohorts are all in use: their memory, decoder
+    state and number."""
+
+    memory: Any
+    state: Any
+    n: int  # sentences
+    fresh: bool  # no step taken yet: one decoding row per sentence, not K
+
+    def rows(self, K: int) -> int:
+        """Its decoding rows: K per sentence (its beams) unless fresh."""
+        return self.n if self.fresh else self.n * K
+
+
+@dataclass
 class Hypothesis:
     tokens: list[int]  # output ids, without BOS and EOS
     score: float  # log-probability, divided by the length penalty in beam search (NaN: not asked)
