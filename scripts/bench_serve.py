@@ -40,11 +40,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: Path, port: int, wait_ms: float, threads: int) -> subprocess.Popen:
+def start_server(
+    model: Path, port: int, wait_ms: float, threads: int, workers: int = 1
+) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "attnmt", "serve", "-m", str(model), "--port", str(port),
-         "--device", "cpu", "--max-queue", "4096", "--batch-wait-ms", str(wait_ms)],
+         "--device", "cpu", "--max-queue", "4096", "--batch-wait-ms", str(wait_ms),
+         "--workers", str(workers)],
         env=env,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -213,7 +216,7 @@ def bench_serve(args: argparse.Namespace) -> None:
         args.model, sentences, args.beam, args.threads, [c for c in args.clients if c > 1]
     )
     port = free_port()
-    proc = start_server(args.model, port, args.batch_wait_ms, args.threads)
+    proc = start_server(args.model, port, args.batch_wait_ms, args.threads, args.workers)
     try:
         url = f"http://127.0.0.1:{port}"
         body = lambda chunk: {"text": chunk, "beam": args.beam}  # noqa: E731
@@ -242,6 +245,7 @@ def rows(
             row |= {
                 "beam": args.beam,
                 "batch_wait_ms": args.batch_wait_ms,
+                "workers": getattr(args, "workers", 1),
                 "batch_sentences_per_s": round(batch, 1),
                 "ratio": round(row["sentences_per_s"] / batch, 2),
                 "idle_ms": round(idle, 1),

@@ -489,6 +489,7 @@ def serve(
         from attnmt.serve.http import run, served_hosts
         from attnmt.serve.scheduler import Scheduler
         from attnmt.serve.schema import Limits
+        from attnmt.serve.workers import ForkedScheduler
     except ImportError as e:
         raise AttnmtError(
             f'attnmt serve needs the serve extra ({e.name} is missing): pip install "attnmt[serve]"'
@@ -501,7 +502,12 @@ def serve(
     )  # fmt: skip
     name = name or " + ".join(m.resolve().name for m in model)
     hosts = served_hosts(host, allowed_host or [])
-    search = Scheduler(translator, limits, thread=False)  # run's: in the main thread
+    if translator.workers > 1:  # forked search processes (CPU), before any thread starts
+        search: Scheduler | ForkedScheduler = ForkedScheduler(
+            translator, limits, translator.workers
+        )
+    else:
+        search = Scheduler(translator, limits, thread=False)  # run's: in the main thread
     run(create_app(translator, limits, name, access_log, hosts, docs, search), host, port, name,
         search)  # fmt: skip
 

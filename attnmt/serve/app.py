@@ -31,6 +31,7 @@ from attnmt.serve.http import AccessLog, HostCheck, error_response
 from attnmt.serve.route import PATH, TranslateRoute, openapi_operation
 from attnmt.serve.scheduler import Scheduler
 from attnmt.serve.schema import Limits
+from attnmt.serve.workers import ForkedScheduler
 
 
 def create_app(
@@ -40,7 +41,7 @@ def create_app(
     access_log: bool = True,
     hosts: frozenset[str] | None = None,
     docs: bool = False,
-    scheduler: Scheduler | None = None,
+    scheduler: Scheduler | ForkedScheduler | None = None,
 ) -> ASGIApp:
     """The application: POST /translate (TranslateRoute), and in FastAPI GET / (the page),
     GET /health, the OpenAPI document at /openapi.json (and with docs, Swagger UI at /docs,
@@ -70,7 +71,7 @@ def create_app(
             "beam": translator.cfg.decode.beam,
             "multilingual": translator.cfg.data.multilingual,
             "target_langs": translator.target_langs,
-            "queued": scheduler.jobs.qsize(),
+            "queued": scheduler.queued,
             "searching": scheduler.searching,
             "steps": scheduler.steps,
         }

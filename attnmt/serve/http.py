@@ -9,13 +9,16 @@ import socket
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from attnmt.errors import AttnmtError
 from attnmt.serve.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from attnmt.serve.workers import ForkedScheduler
 
 
 def error_response(status: int, message: str) -> JSONResponse:
@@ -72,7 +75,7 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run(app: FastAPI, host: str, port: int, name: str, search: Scheduler) -> None:
+def run(app: FastAPI, host: str, port: int, name: str, search: Scheduler | ForkedScheduler) -> None:
     """Serve `app` on host:port with `search` running in the main thread (Scheduler.run: the
     fast one for torch) and the HTTP server in another, until SIGINT (exit code 130, as the
     other commands) or SIGTERM (143), at once, whatever the search is doing."""

@@ -38,6 +38,7 @@ from attnmt.serve.requests import (
 )
 from attnmt.serve.scheduler import Scheduler
 from attnmt.serve.schema import ErrorResponse, Limits, TranslateRequest, TranslateResponse
+from attnmt.serve.workers import ForkedScheduler
 
 PATH = "/translate"
 
@@ -47,7 +48,11 @@ class TranslateRoute:
     to `app`."""
 
     def __init__(
-        self, app: ASGIApp, translator: Translator, scheduler: Scheduler, limits: Limits
+        self,
+        app: ASGIApp,
+        translator: Translator,
+        scheduler: Scheduler | ForkedScheduler,
+        limits: Limits,
     ) -> None:
         self.app, self.translator, self.scheduler, self.limits = app, translator, scheduler, limits
 

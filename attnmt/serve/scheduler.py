@@ -81,6 +81,11 @@ class Scheduler:
         return job
 
     @property
+    def queued(self) -> int:
+        """Requests not yet all in a pool."""
+        return self.jobs.qsize() + len(self.waiting)
+
+    @property
     def searching(self) -> int:
         """Lines in the pools."""
         return sum(len(p) for p in self.pools.values())
