@@ -8,6 +8,7 @@ Parses arguments and calls library functions; attnmt.cli.main runs them and turn
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
@@ -502,7 +503,7 @@ def serve(
     )  # fmt: skip
     name = name or " + ".join(m.resolve().name for m in model)
     hosts = served_hosts(host, allowed_host or [])
-    if translator.workers > 1:  # forked search processes (CPU), before any thread starts
+    if translator.workers > 1 and sys.platform == "linux":  # forked (CPU), before any thread
         search: Scheduler | ForkedScheduler = ForkedScheduler(
             translator, limits, translator.workers
         )
