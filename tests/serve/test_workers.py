@@ -90,9 +90,15 @@ def test_forked_workers_answer_mixed_clients_with_the_batch_paths_lines(trained)
             got = list(pool.map(client, range(16)))
         health = httpx.get(f"{url}/health").json()
         assert health["steps"] >= 1 and health["searching"] == 0 and health["queued"] == 0
+        workers = children(proc.pid)
     finally:
         proc.terminate()
         proc.communicate(timeout=30)
+    assert proc.returncode == 143  # SIGTERM, as every command; the workers die with it
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{w}").exists() for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(Path(f"/proc/{w}/stat").exists() for w in workers)
     for i, g in enumerate(got):
         want = expected(i)
         assert g == want[: len(g)] and len(g) == (2 if "n_best" in kinds[i % 6] else 1), i
