@@ -170,14 +170,14 @@ def _serve(translator: Translator, limits: Limits, conn: Any, parent: int) -> No
     sending, jobs = threading.Lock(), {}
 
     def reply(key: int, future: Future) -> None:
-        try:
-            message = (key, True, future.result())
-        except AttnmtError as e:
-            message = (key, False, e)
-        except Exception as e:  # an exception may not pickle: its name and text do
-            message = (key, False, RuntimeError(f"{type(e).__name__}: {e}"))
-        data = pickle.dumps((*message, (scheduler.queued, scheduler.searching, scheduler.steps)))
         jobs.pop(key, None)
+        state = (scheduler.queued, scheduler.searching, scheduler.steps)
+        try:
+            data = pickle.dumps((key, True, future.result(), state))
+        except AttnmtError as e:
+            data = pickle.dumps((key, False, e, state))
+        except Exception as e:  # an exception (or a result) may not pickle: its text does
+            data = pickle.dumps((key, False, RuntimeError(f"{type(e).__name__}: {e}"), state))
         with sending:
             conn.send_bytes(data)
 

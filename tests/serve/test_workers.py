@@ -108,9 +108,20 @@ def _prepared(translator: Translator, lines: list[str], beam: int = 2):
     return translator.prepare(lines, translator.options(beam))
 
 
-def test_a_cancelled_request_and_a_dead_worker(trained):
-    """A request whose client left stops counting at once; a worker that dies fails the
-    requests it held, the other serves on, and with none left run() returns."""
+def test_a_failure_a_cancelled_request_and_a_dead_worker(trained, monkeypatch):
+    """A request that fails in a worker fails alone, with its error's text; a request whose
+    client left stops counting at once; a worker that dies fails the requests it held, the
+    other serves on, and with none left run() returns."""
+    from attnmt.decoding.request import Prepared
+
+    finish = Prepared.finish
+
+    def failing(self: Prepared, found: list) -> list:
+        if any("boom" in line for line in self.lines):
+            raise ValueError("boom")
+        return finish(self, found)
+
+    monkeypatch.setattr(Prepared, "finish", failing)  # before the fork: the workers' too
     translator = Translator.load(trained[0], device="cpu")
     search = ForkedScheduler(translator, Limits(), 2)
     stop = threading.Event()
@@ -118,8 +129,11 @@ def test_a_cancelled_request_and_a_dead_worker(trained):
     runner.start()
     try:
         first = search.submit(_prepared(translator, LINES[:2]))
+        failed = search.submit(_prepared(translator, ["boom " + LINES[0]]))
         found = first.future.result(timeout=60)
         assert [r[0].text for r in found] == translator.translate(LINES[:2], beam=2)
+        with pytest.raises(RuntimeError, match="ValueError: boom"):
+            failed.future.result(timeout=60)
         job = search.submit(_prepared(translator, LINES * 4, beam=3))
         job.cancelled = True
         assert search.held == {} and search.lines == [0, 0]
