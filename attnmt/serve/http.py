@@ -77,8 +77,9 @@ def listen(host: str, port: int) -> socket.socket:
 
 def run(app: FastAPI, host: str, port: int, name: str, search: Scheduler | ForkedScheduler) -> None:
     """Serve `app` on host:port with `search` running in the main thread (Scheduler.run: the
-    fast one for torch) and the HTTP server in another, until SIGINT (exit code 130, as the
-    other commands) or SIGTERM (143), at once, whatever the search is doing."""
+    fast one for torch; ForkedScheduler.run: its workers' answers) and the HTTP server in
+    another, until SIGINT (exit code 130, as the other commands) or SIGTERM (143), at once,
+    whatever the search is doing."""
     import uvicorn
 
     def leave(sig: int, frame: Any) -> None:
