@@ -52,7 +52,8 @@ WorkersOption = Annotated[
         "--workers",
         min=1,
         max=64,
-        help="CPU: batches searched at once, each on its share of the threads (default: config).",
+        help="CPU: batches searched at once, each on its share of the threads (serve: search "
+        "processes of one thread each; default: config).",
     ),
 ]
 ThreadsOption = Annotated[
