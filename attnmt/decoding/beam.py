@@ -187,7 +187,7 @@ class BeamPool:
         if not self.cohorts:
             self.ids = []
             return done
-        keep_rows = (keep_t.unsqueeze(1) * K + torch.arange(K, device=device)).view(-1)
+        keep_rows = _beam_rows(keep_t, K)
         self.ids = [self.ids[r] for r in keep_t.tolist()]
         self.scores, self.limits, self.steps = (
             self.scores[keep_t], self.limits[keep_t], self.steps[keep_t])  # fmt: skip
@@ -226,7 +226,8 @@ class BeamPool:
         when all go on."""
         K, model, kept, orders, s, at = self.K, self.model, [], [], 0, 0
         for c, state, size in zip(self.cohorts, states, sizes, strict=True):
-            beams = origin[s * K : (s + c.n) * K] - at  # (n_c*K,) rows of the cohort's state
+            beams = origin[s * K : (s + c.n) * K]  # (n_c*K,) rows of the cohort's state
+            beams = beams - at if at else beams
             c.fresh, mine = False, None
             if live is not None:
                 mine = kept_order(live[s : s + c.n]).to(origin.device)  # (n_c',)
@@ -236,13 +237,18 @@ class BeamPool:
                 c.state = model.select_state(state, beams)
                 kept.append(c)
             elif mine.numel():
-                keep_rows = (mine.unsqueeze(1) * K + torch.arange(K, device=mine.device)).view(-1)
                 c.memory = model.keep_memory(c.memory, mine)
                 # One gather of the decoder state: the reordered beams of the sentences kept.
-                c.state, c.n = model.select_state(state, beams[keep_rows]), mine.numel()
+                c.state = model.select_state(state, beams[_beam_rows(mine, K)])
+                c.n = mine.numel()
                 kept.append(c)
         self.cohorts = kept
         return None if live is None else torch.cat(orders)
+
+
+def _beam_rows(sentences: torch.Tensor, K: int) -> torch.Tensor:
+    """The beam rows (n*K,) of sentences (n,): each one's block of K rows."""
+    return (sentences.unsqueeze(1) * K + torch.arange(K, device=sentences.device)).view(-1)
 
 
 @torch.no_grad()

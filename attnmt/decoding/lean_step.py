@@ -251,29 +251,40 @@ class LeanStep:
             else:
                 assert lean.separate is not None
                 q, k, v = (p(h).view(N, h_, 1, d_h) for p in lean.separate)
-            outs = []
-            for p in parts:
-                assert isinstance(p.cache, LayerCache)
-                p.cache = append_position(
-                    p.cache, p.of(k), p.of(v), p.state.rows
-                )  # (n, h, t+1, d_h)
-                outs.append(_attention(p.of(q), p.cache.self_k, p.cache.self_v, p.self_mask))
-            a = _stacked(outs).to(x.dtype)  # (N, h, 1, d_h)
+            a = _self_attention(q, k, v, parts).to(x.dtype)  # (N, h, 1, d_h)
             y = lean.out(a.view(N, d), residual=x)  # (N, d)
         x = self._sublayer_out(lean.norms[0], y)
         h = self._sublayer_in(lean.norms[1], x)
-        q_all, outs = lean.cross_q(h), []  # (N, d)
-        for p in parts:
-            q = p.of(q_all)  # (n, d)
-            n, B = q.size(0), p.cross_k.size(0)  # a group of n // B rows per memory row
-            q = q.view(B, n // B, h_, d_h).transpose(1, 2)  # (B, h, G, d_h)
-            a = _attention(q, p.cross_k, p.cross_v, p.src_mask)  # (B, h, G, d_h)
-            outs.append(a.transpose(1, 2).reshape(n, d))  # (n, d)
-        a = _stacked(outs).to(x.dtype)  # (N, d)
+        a = _cross_attention(lean.cross_q(h), h_, parts).to(x.dtype)  # (N, d)
         x = self._sublayer_out(lean.norms[1], lean.cross_out(a, residual=x))
         h = self._sublayer_in(lean.norms[2], x)
         f = lean.activation(lean.ff_in(h))  # (N, ff)
         return self._sublayer_out(lean.norms[2], lean.ff_out(f, residual=x))
+
+
+def _self_attention(q: Tensor, k: Tensor, v: Tensor, parts: list[_Cohort]) -> Tensor:
+    """Each cohort's rows of q, k, v (N, h, 1, d_h) over its own cache, which takes k and v
+    as its next position (replaced by the grown one) -> (N, h, 1, d_h)."""
+    outs = []
+    for p in parts:
+        assert isinstance(p.cache, LayerCache)
+        p.cache = append_position(p.cache, p.of(k), p.of(v), p.state.rows)  # (n, h, t+1, d_h)
+        outs.append(_attention(p.of(q), p.cache.self_k, p.cache.self_v, p.self_mask))
+    return _stacked(outs)
+
+
+def _cross_attention(q: Tensor, heads: int, parts: list[_Cohort]) -> Tensor:
+    """Each cohort's rows of q (N, d) over its own memory -> (N, d); a memory row is read
+    by a group of n // B rows (a sentence's beams) as G queries."""
+    d = q.size(1)
+    outs = []
+    for p in parts:
+        mine = p.of(q)  # (n, d)
+        n, B = mine.size(0), p.cross_k.size(0)
+        mine = mine.view(B, n // B, heads, d // heads).transpose(1, 2)  # (B, h, G, d_h)
+        a = _attention(mine, p.cross_k, p.cross_v, p.src_mask)  # (B, h, G, d_h)
+        outs.append(a.transpose(1, 2).reshape(n, d))  # (n, d)
+    return _stacked(outs)
 
 
 def _recurrent(part: _Cohort) -> Tensor:
