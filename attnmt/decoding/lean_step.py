@@ -48,13 +48,15 @@ class Product:
     weight_t: Tensor | None  # (K, N), or None: `module` computes it
     bias: Tensor | None  # (N,)
     module: nn.Module
+    packed: matmul.PackedWeight | None = None  # W in oneDNN's layout (onednn_packed_weights)
 
     @classmethod
     def of(cls, module: nn.Module) -> Product:
         w = getattr(module, "weight", None)
         if isinstance(module, nn.Linear) and isinstance(w, Tensor) and w.dtype == torch.float32:
             b = module.bias
-            return cls(w.detach().t(), None if b is None else b.detach(), module)
+            packed = getattr(module, "packed", None)
+            return cls(w.detach().t(), None if b is None else b.detach(), module, packed)
         return cls(None, None, module)
 
     def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
@@ -67,7 +69,9 @@ class Product:
             y = self.module(x)
         elif work >= matmul.ONEDNN_MIN_WORK and matmul.use_onednn(x, work):
             # the matmul backend in use says oneDNN (`auto` on AMD CPUs with AVX-512)
-            y = matmul.linear(x, self.weight_t.t(), self.bias)
+            w = self.weight_t.t()  # (N, K)
+            packed = None if self.packed is None else self.packed.of(w)
+            y = matmul.linear(x, w, self.bias, packed)
         elif self.bias is None:
             y = x @ self.weight_t
         else:
@@ -86,7 +90,11 @@ def stacked(modules: list[nn.Module]) -> Product | None:
     if len(weights) < len(parts):
         return None
     bias = matmul.side_by_side([p.bias for p in parts], [w.size(1) for w in weights])
-    return Product(torch.cat(weights, dim=1).contiguous(), bias, modules[0])  # (K, N_all)
+    weight_t = torch.cat(weights, dim=1).contiguous()  # (K, N_all)
+    packed = None
+    if all(p.packed is not None for p in parts):  # oneDNN's layout of the stacked weight
+        packed = matmul.PackedWeight(weight_t.t())
+    return Product(weight_t, bias, modules[0], packed)
 
 
 @dataclass

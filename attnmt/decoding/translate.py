@@ -29,7 +29,7 @@ from attnmt.device import PRECISION_DTYPES, cpu_matmul_hardware
 from attnmt.errors import DataError
 from attnmt.kernels import matmul_backend, pack_for_many_rows, quantize_int8
 from attnmt.kernels.int8 import pack_both_ways
-from attnmt.kernels.matmul import active_backend, column_major_weights
+from attnmt.kernels.matmul import active_backend, column_major_weights, onednn_packed_weights
 from attnmt.models.seq2seq import Seq2Seq
 from attnmt.models.transformer import TransformerSeq2Seq
 
@@ -333,7 +333,8 @@ def for_decoding(model: Seq2Seq, precision: str) -> Seq2Seq:
     (GPU tensor cores, AMX); int8 (CPU) swaps the matmuls for 8-bit ones (kernels.int8); all
     at the cost of outputs that may differ from fp32 here and there. Search sums its scores in
     fp32 whatever the model computes in. fp32 weights are stored column-major
-    (column_major_weights), and a Transformer on the CPU steps with fewer operations
+    (column_major_weights) and, where oneDNN runs the larger products, also in its layout
+    (onednn_packed_weights), and a Transformer on the CPU steps with fewer operations
     (decoding.lean_step): the same outputs up to float rounding. Move the model to its device
     first."""
     if precision == "int8":
@@ -346,6 +347,7 @@ def for_decoding(model: Seq2Seq, precision: str) -> Seq2Seq:
                     module.cache_dtype = torch.bfloat16
     else:
         model = column_major_weights(model.to(PRECISION_DTYPES[precision]))
+        onednn_packed_weights(model)  # where oneDNN runs the larger products
     if next(model.parameters(), torch.empty(0)).device.type == "cpu":
         lean_step.attach(model)  # (on a GPU not measured)
     return model

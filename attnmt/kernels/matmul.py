@@ -120,9 +120,16 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-def _dnnl(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ wᵀ + b by oneDNN: x (M, K), w (N, K) -> (M, N)."""
-    return torch.ops.mkldnn._linear_pointwise(_dense(x), _dense(w), b, "none", [], "")
+def _dnnl(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x @ wᵀ + b by oneDNN: x (M, K), w (N, K) -> (M, N); from `packed` (w in oneDNN's
+    layout) where given."""
+    w = _dense(w) if packed is None else packed
+    return torch.ops.mkldnn._linear_pointwise(_dense(x), w, b, "none", [], "")
 
 
 def _copied(t: torch.Tensor) -> int:
@@ -181,8 +188,15 @@ class _OneDNNLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x (..., K), weight (N, K), with the backend in use."""
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x (..., K), weight (N, K), with the backend in use;
+    `packed`: the same weight in oneDNN's layout (packed_for_onednn), used where oneDNN
+    computes the product without a gradient."""
     K, N = weight.shape[1], weight.shape[0]
     M = x.numel() // K if K else 0
     # Matrix-vector products (a Bahdanau energy layer) are bound by memory, not by the kernel.
@@ -193,7 +207,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                                     or (bias is not None and bias.requires_grad)):  # fmt: skip
         y = cast(torch.Tensor, _OneDNNLinear.apply(x2, weight, bias))
     else:
-        y = _dnnl(x2, weight, bias)
+        y = _dnnl(x2, weight, bias, packed)
     # 2-D rows stay a tensor of their own, not a view: relu_dropout_linear works in place on it.
     return y if x.dim() == 2 else y.view(*x.shape[:-1], N)  # (..., N)
 
@@ -223,8 +237,55 @@ def column_major_weights(model: nn.Module) -> nn.Module:
     return model
 
 
+def packed_for_onednn(weight: torch.Tensor) -> torch.Tensor:
+    """A fp32 CPU weight (N, K) in oneDNN's own blocked layout, for linear's `packed`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+
+
+class PackedWeight:
+    """A weight and its copy in oneDNN's layout (packed_for_onednn), made again where the
+    weight was changed in place or replaced since (a Translator's model edited by its user)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self._pack(weight)
+
+    def _pack(self, weight: torch.Tensor) -> None:
+        self.source = (weight.data_ptr(), weight._version)
+        self.packed = packed_for_onednn(weight)
+
+    def of(self, weight: torch.Tensor) -> torch.Tensor:
+        """The packed copy of `weight` (N, K: the weight it was made from, or a view of it)."""
+        if (weight.data_ptr(), weight._version) != self.source:
+            self._pack(weight)
+        return self.packed
+
+    def __getstate__(self) -> dict:
+        """A copy (copy.deepcopy, pickle) packs its weight again at its first use: oneDNN's
+        layout has no storage to copy."""
+        return {"source": None, "packed": None}
+
+
+def onednn_packed_weights(model: nn.Module) -> nn.Module:
+    """The model, in place, with each fp32 CPU Linear also holding its weight in oneDNN's
+    layout (`packed`, made once), for decoding where `auto` sends the larger products to
+    oneDNN (onednn_is_faster: AMD CPUs with AVX-512); elsewhere the model as it is. Without
+    it oneDNN reorders the weight into that layout at every call: the output layer (36 x 256
+    x 8,000) 1.78 -> 1.38 ms on 1 thread, 1.03 -> 0.69 ms on 2 (docs/benchmarks.md)."""
+    if not onednn_is_faster():
+        return model
+    for module in model.modules():
+        w = module.weight if isinstance(module, Linear) else None
+        if w is not None and w.device.type == "cpu" and w.dtype == torch.float32 and len(w) >= 16:
+            module.packed = PackedWeight(w)
+    return model
+
+
 class Linear(nn.Linear):
-    """nn.Linear (same parameters, same state-dict keys) whose product uses the backend in use."""
+    """nn.Linear (same parameters, same state-dict keys) whose product uses the backend in use
+    (and the weight in oneDNN's layout where onednn_packed_weights gave it one)."""
+
+    packed: PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        packed = None if self.packed is None else self.packed.of(self.weight)
+        return linear(x, self.weight, self.bias, packed)

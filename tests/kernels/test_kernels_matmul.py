@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -258,3 +260,43 @@ def _steps(model, src: torch.Tensor, src_mask: torch.Tensor, n: int = 4) -> torc
         out.append(logits)
         prev = logits.argmax(1)
     return torch.stack(out)
+
+
+@needs_onednn
+@pytest.mark.parametrize("arch", ["transformer", "rnn"])
+def test_onednn_packed_weights_give_the_same_steps(onednn, monkeypatch, arch: str):
+    """Where `auto` picks oneDNN, decoding's fp32 linear layers also hold their weights in
+    oneDNN's layout, and every oneDNN product of encoding and steps (the lean step's stacked
+    q, k, v too) reads it, with the same logits; elsewhere nothing is packed."""
+    from attnmt.decoding.translate import for_decoding
+
+    model = tiny_model(arch).eval()
+    batch = random_batch(seed=1)
+    src, src_mask = batch.src, batch.src_pad_mask
+    monkeypatch.setattr(matmul, "onednn_is_faster", lambda: False)
+    with torch.no_grad():
+        before = _steps(for_decoding(copy.deepcopy(model), "fp32"), src, src_mask)
+    plain = for_decoding(copy.deepcopy(model), "fp32")
+    assert all(getattr(m, "packed", None) is None for m in plain.modules())
+    monkeypatch.setattr(matmul, "onednn_is_faster", lambda: True)
+    packed = for_decoding(model, "fp32")
+    linears = [m for m in packed.modules() if isinstance(m, matmul.Linear) and m.out_features >= 16]
+    assert linears and all(m.packed is not None for m in linears)
+    used: list[bool] = []
+    real = matmul._dnnl
+    monkeypatch.setattr(
+        matmul, "_dnnl", lambda x, w, b=None, p=None: used.append(p is not None) or real(x, w, b, p)
+    )
+    with torch.no_grad():
+        after = _steps(packed, src, src_mask)
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    assert used and all(used)
+    with torch.no_grad():  # a weight changed in place: its packed copy is made again
+        for net in (plain, packed):
+            net.output.weight.mul_(-1.0)
+        torch.testing.assert_close(
+            _steps(packed, src, src_mask), _steps(plain, src, src_mask), rtol=1e-5, atol=1e-5
+        )
+        # a copy (oneDNN's layout has no storage to copy) packs again at its first step
+        torch.testing.assert_close(_steps(copy.deepcopy(packed), src, src_mask),
+                                   _steps(packed, src, src_mask))  # fmt: skip
