@@ -64,6 +64,12 @@ def cpu_matmul_hardware(precision: str) -> bool:
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks)
 
 
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles (Intel Xeons from Sapphire Rapids on)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe()) if probe is not None else False
+
+
 def resolve_precision(precision: str, device: torch.device) -> str:
     """train.precision as trained: `auto` is bf16 where the device multiplies bf16 natively (a
     CUDA GPU that supports it; a CPU with AMX or AVX512-BF16), fp32 elsewhere."""

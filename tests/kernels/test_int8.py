@@ -117,14 +117,15 @@ def test_stacked_layers_give_each_layers_outputs():
 
 
 @pytest.mark.parametrize("bf16", [True, False])
-def test_int8_keeps_attentions_keys_and_values_in_bf16_where_the_cpu_has_it(monkeypatch, bf16):
+def test_int8_keeps_attentions_keys_and_values_in_bf16_where_the_cpu_has_amx(monkeypatch, bf16):
     """for_decoding's int8: the memory's keys and values and the caches in bf16 on a CPU with
-    bf16 instructions (half the bytes attention reads), in fp32 elsewhere; fp32 decoding never."""
+    AMX tiles (half the bytes attention reads), in fp32 elsewhere (AVX512-BF16 alone attends
+    slower in bf16); fp32 decoding never."""
     from attnmt.decoding import translate
 
     from helpers import tiny_model
 
-    monkeypatch.setattr(translate, "cpu_matmul_hardware", lambda precision: bf16)
+    monkeypatch.setattr(translate, "cpu_has_amx", lambda: bf16)
     model = translate.for_decoding(tiny_model("transformer").eval(), "int8")
     assert model.cache_dtype == (torch.bfloat16 if bf16 else None)
     assert translate.for_decoding(tiny_model("transformer").eval(), "fp32").cache_dtype is None
