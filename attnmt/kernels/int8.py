@@ -37,6 +37,11 @@ MIN_OUT_FEATURES = 16
 # 2 threads, fbgemm is faster below (docs/benchmarks.md).
 WIDE_ROWS = 16
 WIDE_OUTPUTS = 64 * 768
+# Without AMX (VNNI alone: an AMD Zen 4) oneDNN's int8 kernels pass fbgemm's only in large
+# products: 1 thread, the output layer (256 -> 8,000) at 64 rows 707 against 821 µs, 160 rows
+# 1,809 against 2,688; 256 -> 1,024 at 1,280 rows 1,770 against 3,571; at 36 rows of the
+# output layer or 320 of 256 -> 256 about the same (docs/benchmarks.md).
+WIDE_OUTPUTS_VNNI = 1 << 18
 
 
 def int8_hardware() -> bool:
@@ -66,8 +71,10 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = q_weight.shape
         # 7-bit inputs (reduce_range) keep fbgemm's 16-bit sums from saturating without VNNI.
         self.reduce_range = not full_range
-        # The same weights packed for oneDNN too (pack_both_ways), for calls with many rows.
+        # The same weights packed for oneDNN too (pack_both_ways), for calls with many rows:
+        # from WIDE_ROWS rows and `wide_outputs` rows x outputs on.
         self.wide: torch.Tensor | None = None
+        self.wide_outputs = WIDE_OUTPUTS
 
     @classmethod
     def quantize(cls, linear: nn.Linear, full_range: bool) -> Int8Linear:
@@ -84,7 +91,7 @@ class Int8Linear(nn.Module):
         packed = self.packed
         if self.wide is not None:
             rows = x.numel() // self.in_features
-            if rows >= WIDE_ROWS and rows * self.out_features >= WIDE_OUTPUTS:
+            if rows >= WIDE_ROWS and rows * self.out_features >= self.wide_outputs:
                 packed = self.wide
         return torch.ops.quantized.linear_dynamic(x, packed, self.reduce_range)
 
@@ -115,7 +122,7 @@ class Int8Linear(nn.Module):
         bias = side_by_side([m.bias for m in layers], [m.out_features for m in layers])
         both = Int8Linear(q, bias, not layers[0].reduce_range)
         if layers[0].wide is not None:  # packed both ways as they were
-            both.wide = both.packed_for("onednn")
+            both.wide, both.wide_outputs = both.packed_for("onednn"), layers[0].wide_outputs
         return both
 
     def repack(self, engine: str) -> None:
@@ -165,7 +172,7 @@ def pack_for_many_rows(modules: Iterable[nn.Module]) -> None:
     a whole batch of sources at once, for oneDNN's kernels: 2.3x fbgemm's at 1,280 rows x 256
     -> 1,024 on a Xeon with AMX, but slower at a decoding step's few rows, which stay with
     fbgemm (docs/benchmarks.md). The weights stay the same int8 rows and scales."""
-    for layer in _to_pack(modules):
+    for layer in _to_pack(modules, int8_tiles()):
         layer.repack("onednn")
 
 
@@ -174,16 +181,20 @@ def pack_both_ways(modules: Iterable[nn.Module]) -> None:
     whose calls have from one row to hundreds: beam search's K per sentence) the same weights
     packed for oneDNN too, which their calls take from WIDE_ROWS rows and WIDE_OUTPUTS outputs
     on: the output layer (N × 256 × 8,000, 1 thread) at 36 rows 0.55 -> 0.30 ms, 320 rows 3.3
-    -> 1.1 ms, while at a few rows fbgemm's stay faster (docs/benchmarks.md)."""
-    for layer in _to_pack(modules):
+    -> 1.1 ms, while at a few rows fbgemm's stay faster (docs/benchmarks.md). Where it has
+    VNNI and no AMX, likewise from WIDE_OUTPUTS_VNNI outputs on (the encoder's layers too)."""
+    amx = int8_tiles()
+    vnni = int8_hardware() and "onednn" in torch.backends.quantized.supported_engines
+    for layer in _to_pack(modules, amx or vnni):
         if layer.engine != "onednn":
             layer.wide = layer.packed_for("onednn")
+            layer.wide_outputs = WIDE_OUTPUTS if amx else WIDE_OUTPUTS_VNNI
 
 
-def _to_pack(modules: Iterable[nn.Module]) -> Iterator[Int8Linear]:
-    """The Int8Linear layers in `modules` where the CPU has AMX tiles (none elsewhere), with
-    torch's warnings about quantized tensors silenced while the caller packs each."""
-    if not int8_tiles():
+def _to_pack(modules: Iterable[nn.Module], where: bool) -> Iterator[Int8Linear]:
+    """The Int8Linear layers in `modules` if `where` (none otherwise), with torch's warnings
+    about quantized tensors silenced while the caller packs each."""
+    if not where:
         return
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*quantiz.*")

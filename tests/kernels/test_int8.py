@@ -131,16 +131,24 @@ def test_int8_keeps_attentions_keys_and_values_in_bf16_where_the_cpu_has_amx(mon
     assert translate.for_decoding(tiny_model("transformer").eval(), "fp32").cache_dtype is None
 
 
-def test_a_decoder_layer_packed_both_ways_takes_onednn_for_many_rows(monkeypatch):
+@pytest.mark.parametrize("amx", [True, False])
+def test_a_decoder_layer_packed_both_ways_takes_onednn_for_many_rows(monkeypatch, amx: bool):
     """pack_both_ways: a call with few rows keeps fbgemm's packing, one with many takes
-    oneDNN's (where the CPU has AMX tiles); both give the layer's product."""
+    oneDNN's (where the CPU has AMX tiles, or VNNI alone, from more outputs on); both give the
+    layer's product. Without either, nothing is packed twice."""
     torch.manual_seed(0)
     if "onednn" not in torch.backends.quantized.supported_engines:
         pytest.skip("torch built without oneDNN's quantized engine")
     layer = Int8Linear.quantize(nn.Linear(64, 1024), full_range=True)
-    monkeypatch.setattr(int8, "int8_tiles", lambda: True)
+    monkeypatch.setattr(int8, "int8_tiles", lambda: False)
+    monkeypatch.setattr(int8, "int8_hardware", lambda: False)
+    int8.pack_both_ways([layer])
+    assert layer.wide is None
+    monkeypatch.setattr(int8, "int8_tiles", lambda: amx)
+    monkeypatch.setattr(int8, "int8_hardware", lambda: True)
     int8.pack_both_ways([layer])
     assert layer.wide is not None
+    assert layer.wide_outputs == (int8.WIDE_OUTPUTS if amx else int8.WIDE_OUTPUTS_VNNI)
     used = []
     real = torch.ops.quantized.linear_dynamic
 
@@ -149,7 +157,8 @@ def test_a_decoder_layer_packed_both_ways_takes_onednn_for_many_rows(monkeypatch
         return real(x, packed, reduce_range)
 
     monkeypatch.setattr(torch.ops.quantized, "linear_dynamic", spy)
-    few, many = torch.randn(4, 64), torch.randn(int8.WIDE_ROWS * 4, 64)
+    rows = max(int8.WIDE_ROWS, -(-layer.wide_outputs // layer.out_features))  # the first wide
+    few, many = torch.randn(rows - 1, 64), torch.randn(rows, 64)
     for x in (few, many):
         expected = torch.nn.functional.linear(x, layer.q_weight.dequantize(), layer.bias)
         torch.testing.assert_close(layer(x), expected, rtol=0.05, atol=0.05)
