@@ -388,6 +388,11 @@ def parse_duration(text: str) -> float:
 class DecodeConfig(_Section):
     beam: int = Field(5, ge=1, le=100)
     length_penalty: float = Field(1.0, ge=0.0, le=10.0)
+    # How beam search normalises a finished hypothesis's log-probability by its length:
+    # "gnmt" ((5 + length) / 6)^alpha, stopping once the best candidate ends (OpenNMT-py);
+    # "length" length^alpha (CTranslate2, Marian, fairseq), going on while a live beam could
+    # still win (decoding.beam.LOOKAHEAD).
+    length_norm: Literal["gnmt", "length"] = "gnmt"
     max_len_a: float = Field(1.5, ge=0.0, le=10.0)
     max_len_b: int = Field(10, ge=0, le=1000)
     max_len_round: Literal["floor", "ceil"] = "floor"

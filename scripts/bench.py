@@ -17,8 +17,9 @@
 
 decode: translates Multi30k test_2016_flickr (1,000 sentences, from --data, default
 data/multi30k) with each model and beam size, the way ../shared/peers measures JoeyNMT and
-OpenNMT-py: batches of 64 sentences, at most 60 output pieces, GNMT length penalty 1.0, 2
-threads, model loading excluded. Prints one JSON line per (model, beam, workers) with the
+OpenNMT-py: batches of 64 sentences, at most 60 output pieces, GNMT length penalty 1.0 (or
+--length-norm length: length^1, CTranslate2's default, for `export`), 2 threads, model
+loading excluded. Prints one JSON line per (model, beam, workers) with the
 median over --runs runs of sentences/s and output pieces/s (EOS excluded), the mean output
 length, and BLEU/chrF with sacreBLEU signatures. --workers 2 searches two batches at once, each
 in its own forked process on one of the 2 threads (`attnmt translate --workers`); --precision
@@ -111,7 +112,7 @@ def decode_models(args: argparse.Namespace, backend: str) -> None:
                 args.batch_sentences, args.beams, args.workers, args.shortlist
             ):
                 # As `attnmt translate` does: no scores unless it writes n-best lists.
-                method = Greedy() if beam == 1 else Beam(beam, length_penalty=1.0)
+                method = Greedy() if beam == 1 else Beam(beam, 1.0, length_norm=args.length_norm)
                 options = SearchOptions(method, max_len_a=0.0, max_len_b=args.max_len, scores=False)
                 batches = {"batch_tokens": 1 << 30, "batch_sentences": batch_sentences}
                 batches |= {"device": args.device}
@@ -145,6 +146,7 @@ def decode_models(args: argparse.Namespace, backend: str) -> None:
                     "device": args.device,
                     "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
                     "beam": beam,
+                    "length_norm": args.length_norm,
                     "sentences": len(src),
                     "runs": args.runs,
                     "seconds_median": round(seconds, 3),
@@ -199,6 +201,10 @@ def add_decode_args(d: argparse.ArgumentParser) -> None:
     d.add_argument("--sentences", type=int, help="only the first N test sentences")
     d.add_argument("--device", default="cpu", help="cpu or cuda")
     d.add_argument("--max-len", type=int, default=60, help="output pieces at most")
+    d.add_argument(
+        "--length-norm", choices=["gnmt", "length"], default="gnmt",
+        help="beam search's length normalisation (length: CTranslate2's, for export)",
+    )  # fmt: skip
     d.add_argument(
         "--threads", type=int, default=2,
         help="threads in all; 0: attnmt's choice (as many as other processes leave free)",

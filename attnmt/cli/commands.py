@@ -105,7 +105,11 @@ def translate(
         help="Write the N best hypotheses per input: 'LINE ||| TEXT ||| SCORE'.")] = 1,
     length_penalty: Annotated[float | None, typer.Option(
         "--length-penalty", min=0.0, max=10.0,
-        help="GNMT length penalty alpha (default: config).")] = None,
+        help="Length penalty alpha (default: config).")] = None,
+    length_norm: Annotated[str | None, typer.Option(
+        "--length-norm",
+        help="Beam search's length normalisation: gnmt ((5 + length) / 6)^alpha, or length "
+        "(length^alpha, CTranslate2's and Marian's) (default: config).")] = None,
     batch_tokens: Annotated[int | None, typer.Option(
         "--batch-tokens", min=1, help="Source tokens per batch (default: config).")] = None,
     attention: Annotated[Path | None, typer.Option(
@@ -167,7 +171,9 @@ def translate(
     elif alignments or markup:  # with --attention, from its layer and head
         spec = translator.alignment_spec(alignment_layer)
     draws = (temperature, top_k, seed) if sampling else None
-    options = translator.options(beam, n_best, length_penalty, attention=spec, sampling=draws)
+    options = translator.options(
+        beam, n_best, length_penalty, attention=spec, sampling=draws, length_norm=length_norm
+    )
     done = 0  # lines translated so far
     # Written chunk by chunk as each is done: a line sent alone through a pipe or typed at a
     # terminal is answered at once.

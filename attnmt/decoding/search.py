@@ -29,11 +29,13 @@ class Greedy:
 @dataclass(frozen=True)
 class Beam:
     """Beam search with `size` beams per sentence; finished hypotheses ranked by
-    log-probability / GNMT length penalty (alpha = length_penalty); n_best (<= size) of them."""
+    log-probability / length penalty (alpha = length_penalty, in the form `length_norm`:
+    length_penalty()); n_best (<= size) of them."""
 
     size: int = 5
     length_penalty: float = 1.0
     n_best: int = 1
+    length_norm: str = "gnmt"  # or "length" (DecodeConfig.length_norm)
 
 
 @dataclass(frozen=True)
@@ -80,11 +82,12 @@ def search_options(
     n_best: int = 1,
     attention: AttentionSpec | None = None,
     sampling: tuple[float, int, int] | None = None,
+    length_norm: str | None = None,
 ) -> SearchOptions:
-    """The one place SearchOptions are built: a config's decode section, with beam and length
-    penalty overridable (flags, train.eval_beam); beam 1 is greedy search. Scores are computed
-    only for n-best lists, the one output that shows them. `sampling`: (temperature, top_k,
-    seed) to sample n_best draws instead."""
+    """The one place SearchOptions are built: a config's decode section, with beam, length
+    penalty and its form overridable (flags, train.eval_beam); beam 1 is greedy search.
+    Scores are computed only for n-best lists, the one output that shows them. `sampling`:
+    (temperature, top_k, seed) to sample n_best draws instead."""
     beam = cfg.beam if beam is None else beam
     alpha = cfg.length_penalty if length_penalty is None else length_penalty
     method: Method
@@ -93,7 +96,7 @@ def search_options(
     elif beam == 1 and n_best == 1:
         method = Greedy()
     else:
-        method = Beam(beam, alpha, n_best)
+        method = Beam(beam, alpha, n_best, cfg.length_norm if length_norm is None else length_norm)
     return SearchOptions(
         method, cfg.max_len_a, cfg.max_len_b, cfg.max_output_len, cfg.max_src_len, attention,
         scores=n_best > 1, max_len_round=cfg.max_len_round, allow_unk=cfg.allow_unk,
@@ -249,10 +252,14 @@ def max_output_lengths(src_pad_mask: torch.Tensor, options: SearchOptions) -> to
     return torch.tensor(limits, dtype=torch.long, device=src_pad_mask.device)
 
 
-def length_penalty(length: int | torch.Tensor, alpha: float) -> float | torch.Tensor:
+def length_penalty(
+    length: int | torch.Tensor, alpha: float, norm: str = "gnmt"
+) -> float | torch.Tensor:
     """GNMT length penalty ((5 + length) / 6) ** alpha (Wu et al. 2016,
-    https://arxiv.org/abs/1609.08144, eq. 14); alpha = 0 scores by raw log-probability."""
-    return ((5 + length) / 6) ** alpha
+    https://arxiv.org/abs/1609.08144, eq. 14), or with norm "length" length ** alpha (the
+    log-probability per token at alpha 1: CTranslate2's, Marian's and fairseq's); alpha = 0
+    scores by raw log-probability."""
+    return length**alpha if norm == "length" else ((5 + length) / 6) ** alpha
 
 
 def encode_joining(model: Seq2Seq, src: torch.Tensor, src_pad_mask: torch.Tensor) -> Any:

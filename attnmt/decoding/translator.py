@@ -211,9 +211,11 @@ class Translator:
         length_penalty: float | None = None,
         attention: AttentionSpec | None = None,
         sampling: tuple[float, int, int] | None = None,
+        length_norm: str | None = None,
     ) -> SearchOptions:
-        """SearchOptions from the model's decode section and these overrides; n_best above
-        the beam is refused (sampling draws any number), as is a beam with sampling."""
+        """SearchOptions from the model's decode section and these overrides (length_norm:
+        "gnmt" or "length", decode.length_norm); n_best above the beam is refused (sampling
+        draws any number), as is a beam with sampling."""
         if sampling is not None and beam is not None:
             raise AttnmtError("sampling draws instead of searching: drop the beam (--beam)")
         beam = self.cfg.decode.beam if beam is None else beam
@@ -226,11 +228,15 @@ class Translator:
             _check_number("temperature", temperature, 0.01, 100.0)
             _check_int("top_k", top_k, 0, 1 << 30)
             _check_int("seed", seed, 0, (1 << 63) - 1)
+        if length_norm not in (None, "gnmt", "length"):
+            raise AttnmtError(
+                f"length_norm (--length-norm) must be gnmt or length, not {length_norm!r}"
+            )
         if n_best > beam and sampling is None:
             raise AttnmtError(f"n_best {n_best} exceeds the beam size {beam}; raise the beam")
         return search_options(
             self.cfg.decode, beam=beam, length_penalty=length_penalty, n_best=n_best,
-            attention=attention, sampling=sampling,
+            attention=attention, sampling=sampling, length_norm=length_norm,
         )  # fmt: skip
 
     def attention_spec(self, layer: int = -1, head: int | None = None) -> AttentionSpec:

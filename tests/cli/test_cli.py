@@ -295,3 +295,37 @@ def test_help_lists_every_command_with_a_whole_description(run_cli, monkeypatch)
     commands = r.stdout.split("Commands:")[1].strip().splitlines()
     assert len(commands) >= 10
     assert not [c for c in commands if c.rstrip().endswith(("...", "…"))], commands
+
+
+def test_length_norm_from_the_cli_and_from_the_config(tmp_path: Path, trained, run_cli):
+    """`translate --length-norm length` searches with that form (other n-best scores than
+    the default gnmt's), as a model whose config says decode.length_norm: length does; any
+    other value is one clear error."""
+    import shutil
+
+    from attnmt.decoding.search import Beam
+
+    from helpers import cli_lines
+
+    model, _ = trained
+    lines = ["w1 w5 w9 w0 w8", "w2 w6 w10", "w0 w1"]
+    args = ("--beam", "3", "--n-best", "2", "--length-penalty", "1")
+    by_flag = cli_lines(run_cli, model, lines, *args, "--length-norm", "length")
+    copy = tmp_path / "m"
+    shutil.copytree(model, copy)
+    cfg = yaml.safe_load((copy / "config.yaml").read_text())
+    cfg.setdefault("decode", {})["length_norm"] = "length"
+    (copy / "config.yaml").write_text(yaml.safe_dump(cfg))
+    assert cli_lines(run_cli, copy, lines, *args) == by_flag
+    from attnmt import Translator
+
+    translator = Translator.load(copy, device="cpu")
+    method = translator.options(3, 2).method
+    assert isinstance(method, Beam) and method.length_norm == "length"
+    gnmt = cli_lines(run_cli, model, lines, *args, "--length-norm", "gnmt")
+    assert gnmt == cli_lines(run_cli, model, lines, *args) != by_flag  # the default: gnmt
+    assert_user_error(
+        run_cli("translate", "-m", str(model), "--length-norm", "avg", stdin=b"w1\n"),
+        "--length-norm",
+        "gnmt or length",
+    )
