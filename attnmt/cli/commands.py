@@ -171,9 +171,7 @@ def translate(
     elif alignments or markup:  # with --attention, from its layer and head
         spec = translator.alignment_spec(alignment_layer)
     draws = (temperature, top_k, seed) if sampling else None
-    options = translator.options(
-        beam, n_best, length_penalty, attention=spec, sampling=draws, length_norm=length_norm
-    )
+    options = translator.options(beam, n_best, length_penalty, spec, draws, length_norm)
     done = 0  # lines translated so far
     # Written chunk by chunk as each is done: a line sent alone through a pipe or typed at a
     # terminal is answered at once.
