@@ -26,6 +26,7 @@ Precision = Literal["fp32", "bf16", "fp16"]
 DecodePrecision = Literal["fp32", "bf16", "fp16", "int8"]  # int8: CPU only
 TrainPrecision = Literal["auto", "fp32", "bf16", "fp16"]  # auto: bf16 where the hardware has it
 MatmulChoice = Literal["auto", "blas", "onednn"]  # the library of CPU fp32 matmuls
+LengthNorm = Literal["gnmt", "length"]  # beam search's length penalty form (DecodeConfig)
 
 
 class _Section(BaseModel):
@@ -392,7 +393,7 @@ class DecodeConfig(_Section):
     # "gnmt" ((5 + length) / 6)^alpha, stopping once the best candidate ends (OpenNMT-py);
     # "length" length^alpha (CTranslate2, Marian, fairseq), going on while a live beam could
     # still win (decoding.beam.LOOKAHEAD).
-    length_norm: Literal["gnmt", "length"] = "gnmt"
+    length_norm: LengthNorm = "gnmt"
     max_len_a: float = Field(1.5, ge=0.0, le=10.0)
     max_len_b: int = Field(10, ge=0, le=1000)
     max_len_round: Literal["floor", "ceil"] = "floor"

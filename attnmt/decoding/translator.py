@@ -17,11 +17,11 @@ import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, get_args
 
 import torch
 
-from attnmt.config import Config
+from attnmt.config import Config, LengthNorm
 from attnmt.data.processes import keep_freed_memory
 from attnmt.data.text import CHUNK_LINES, input_chunks
 from attnmt.data.tokenizer import UNK_ID, Tokenizer
@@ -228,9 +228,10 @@ class Translator:
             _check_number("temperature", temperature, 0.01, 100.0)
             _check_int("top_k", top_k, 0, 1 << 30)
             _check_int("seed", seed, 0, (1 << 63) - 1)
-        if length_norm not in (None, "gnmt", "length"):
+        if length_norm is not None and length_norm not in get_args(LengthNorm):
             raise AttnmtError(
-                f"length_norm (--length-norm) must be gnmt or length, not {length_norm!r}"
+                f"length_norm (--length-norm) must be {' or '.join(get_args(LengthNorm))}, "
+                f"not {length_norm!r}"
             )
         if n_best > beam and sampling is None:
             raise AttnmtError(f"n_best {n_best} exceeds the beam size {beam}; raise the beam")

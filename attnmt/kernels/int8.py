@@ -26,6 +26,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from attnmt.device import cpu_has_amx
 from attnmt.kernels.matmul import side_by_side
 
 # Products with fewer outputs stay fp32: Bahdanau's energy layer (one output) is a
@@ -53,11 +54,8 @@ def int8_hardware() -> bool:
 
 def int8_tiles() -> bool:
     """Whether this CPU has AMX tiles (Xeons from Sapphire Rapids on), which oneDNN's int8
-    matmuls use and fbgemm's do not."""
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    if probe is None or "onednn" not in torch.backends.quantized.supported_engines:
-        return False
-    return bool(probe())
+    matmuls use and fbgemm's do not, and torch has oneDNN's quantized engine."""
+    return "onednn" in torch.backends.quantized.supported_engines and cpu_has_amx()
 
 
 class Int8Linear(nn.Module):

@@ -195,7 +195,7 @@ def linear(
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) for x (..., K), weight (N, K), with the backend in use;
-    `packed`: the same weight in oneDNN's layout (packed_for_onednn), used where oneDNN
+    `packed`: the same weight in oneDNN's layout (PackedWeight), used where oneDNN
     computes the product without a gradient."""
     K, N = weight.shape[1], weight.shape[0]
     M = x.numel() // K if K else 0
@@ -237,21 +237,17 @@ def column_major_weights(model: nn.Module) -> nn.Module:
     return model
 
 
-def packed_for_onednn(weight: torch.Tensor) -> torch.Tensor:
-    """A fp32 CPU weight (N, K) in oneDNN's own blocked layout, for linear's `packed`."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
-
-
 class PackedWeight:
-    """A weight and its copy in oneDNN's layout (packed_for_onednn), made again where the
-    weight was changed in place or replaced since (a Translator's model edited by its user)."""
+    """A fp32 CPU weight (N, K) and its copy in oneDNN's own blocked layout (linear's
+    `packed`), made again where the weight was changed in place or replaced since (a
+    Translator's model edited by its user)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         self._pack(weight)
 
     def _pack(self, weight: torch.Tensor) -> None:
         self.source = (weight.data_ptr(), weight._version)
-        self.packed = packed_for_onednn(weight)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 
     def of(self, weight: torch.Tensor) -> torch.Tensor:
         """The packed copy of `weight` (N, K: the weight it was made from, or a view of it)."""
