@@ -339,10 +339,12 @@ class TransformerSeq2Seq(Seq2Seq):
         return TransformerMemory(mask, cross)
 
     def _kept(self, kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values in cache_dtype."""
-        if self.cache_dtype is None:
-            return kv
-        return kv[0].to(self.cache_dtype), kv[1].to(self.cache_dtype)
+        """Keys and values in cache_dtype, contiguous (B, h, S, d_h): each decoding step reads
+        them, and reads the (B, h, S, d_h) view of the (B, S, h, d_h) projections more slowly
+        (greedy, 1 thread, 500 sentences: attention 0.22 s against 0.18;
+        attnmt.decoding.lean_step._attention)."""
+        k, v = kv if self.cache_dtype is None else (t.to(self.cache_dtype) for t in kv)
+        return k.contiguous(), v.contiguous()
 
     def encode_packed(
         self, src: torch.Tensor, src_pad_mask: torch.Tensor, packing: Packing

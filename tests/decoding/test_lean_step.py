@@ -44,8 +44,12 @@ def _pair(
     return lean, plain
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> None:
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+def _close(a: torch.Tensor, b: torch.Tensor, precision: str = "fp32") -> None:
+    """Equal to rounding. int8 quantizes each product's input, so that attention's sums,
+    taken in another order by the lean step, move a value across a quantization step now and
+    then: a hypothesis's score then differs by up to a few tenths of a percent."""
+    tolerance = 1e-2 if precision == "int8" else 1e-5
+    torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -102,7 +106,8 @@ def test_searches_find_the_same_hypotheses(variant: str, precision: str):
             found.append(hyps)
         for mine, theirs in zip(*found, strict=True):
             assert [h.tokens for h in mine] == [h.tokens for h in theirs]
-            _close(torch.tensor([h.score for h in mine]), torch.tensor([h.score for h in theirs]))
+            scores = [torch.tensor([h.score for h in hyps]) for hyps in (mine, theirs)]
+            _close(*scores, precision)
 
 
 @pytest.mark.parametrize("cache_dtype", [None, torch.bfloat16])
