@@ -151,20 +151,25 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     """softmax(q kᵀ / √d + mask) v in the dtype k and v are kept in (cache_dtype).
 
     q (B, h, G, d_h): G queries a row (beam search's cross-attention: a sentence's beams);
-    k, v (B, h, T, d_h); mask additive, (B|1, 1, 1, T), or None. One query a row on a CPU in
-    fp32: as sums of element-wise products, s_t = Σ_i q_i k_ti / √d and o = Σ_t softmax(s)_t
-    v_t, each read of the keys and values one pass over memory; torch's fused kernel makes a
-    matrix-vector product per row and head (its keys in blocks sized for long queries), a
-    batched matmul likewise (whole runs, greedy, 1 thread, 500 sentences: attention 0.28 →
-    0.18 s fp32, 0.25 → 0.16 s int8; docs/benchmarks.md).
+    k, v (B, h, T, d_h); mask additive, (B|1, 1, 1, T), or None. On a CPU in fp32, one query a
+    row as sums of element-wise products, s_t = Σ_i q_i k_ti / √d and o = Σ_t softmax(s)_t v_t,
+    each read of the keys and values one pass over memory; several as two batched products,
+    the softmax between. torch's fused kernel, sized for long queries, makes a product per row
+    and head (whole runs, 1 thread, 500 sentences: greedy attention 0.28 → 0.18 s fp32, 0.25 →
+    0.16 s int8; beam 5 0.50 → 0.46 s fp32, 0.45 → 0.43 s int8; docs/benchmarks.md).
     """
     q, mask = in_keys_dtype(q, mask, k)
-    if q.size(2) != 1 or q.is_cuda or q.dtype != torch.float32:
+    if q.is_cuda or q.dtype != torch.float32:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    scores = torch.mul(q, k).sum(-1, keepdim=True).mul_(q.size(-1) ** -0.5)  # (B, h, T, 1)
+    if q.size(2) == 1:
+        scores = torch.mul(q, k).sum(-1, keepdim=True).mul_(q.size(-1) ** -0.5)  # (B, h, T, 1)
+        if mask is not None:
+            scores = scores.add_(mask.transpose(-1, -2))
+        return torch.mul(scores.softmax(-2), v).sum(-2, keepdim=True)  # (B, h, 1, d_h)
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.size(-1) ** -0.5)  # (B, h, G, T)
     if mask is not None:
-        scores = scores.add_(mask.transpose(-1, -2))
-    return torch.mul(scores.softmax(-2), v).sum(-2, keepdim=True)  # (B, h, 1, d_h)
+        scores = scores.add_(mask)
+    return torch.matmul(scores.softmax(-1), v)  # (B, h, G, d_h)
 
 
 @dataclass
