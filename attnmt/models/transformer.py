@@ -339,11 +339,14 @@ class TransformerSeq2Seq(Seq2Seq):
         return TransformerMemory(mask, cross)
 
     def _kept(self, kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values in cache_dtype, contiguous (B, h, S, d_h): each decoding step reads
-        them, and reads the (B, h, S, d_h) view of the (B, S, h, d_h) projections more slowly
-        (greedy, 1 thread, 500 sentences: attention 0.22 s against 0.18;
-        attnmt.decoding.lean_step._attention)."""
+        """Keys and values in cache_dtype; without a gradient to take (decoding), contiguous
+        (B, h, S, d_h): each decoding step reads them, and reads the (B, h, S, d_h) view of
+        the (B, S, h, d_h) projections more slowly (greedy, 1 thread, 500 sentences:
+        attention 0.22 s against 0.18; attnmt.decoding.lean_step._attention). Training reads
+        them once, as they are."""
         k, v = kv if self.cache_dtype is None else (t.to(self.cache_dtype) for t in kv)
+        if torch.is_grad_enabled():
+            return k, v
         return k.contiguous(), v.contiguous()
 
     def encode_packed(
