@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from attnmt.config import LengthNorm
 from attnmt.decoding.constraints import Constraints, Wanted
 from attnmt.decoding.search import (
     Beam,
@@ -334,7 +335,7 @@ def _best_candidates(
 class _Finished:
     """Beam search's finished hypotheses per sentence (by id), and each one's 1-best answer."""
 
-    def __init__(self, alpha: float, n_best: int, norm: str = "gnmt") -> None:
+    def __init__(self, alpha: float, n_best: int, norm: LengthNorm = "gnmt") -> None:
         self.alpha, self.n_best, self.norm = alpha, n_best, norm
         self.hyps: dict[int, list[Hypothesis]] = {}
         self.first: dict[int, Hypothesis] = {}

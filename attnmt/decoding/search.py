@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from attnmt.config import DecodeConfig
+from attnmt.config import DecodeConfig, LengthNorm
 from attnmt.data.tokenizer import UNK_ID
 from attnmt.models.packing import Packing
 from attnmt.models.seq2seq import AttentionSpec, Seq2Seq, pad_to
@@ -35,7 +35,7 @@ class Beam:
     size: int = 5
     length_penalty: float = 1.0
     n_best: int = 1
-    length_norm: str = "gnmt"  # or "length" (DecodeConfig.length_norm)
+    length_norm: LengthNorm = "gnmt"  # DecodeConfig.length_norm
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def search_options(
     n_best: int = 1,
     attention: AttentionSpec | None = None,
     sampling: tuple[float, int, int] | None = None,
-    length_norm: str | None = None,
+    length_norm: LengthNorm | None = None,
 ) -> SearchOptions:
     """The one place SearchOptions are built: a config's decode section, with beam, length
     penalty and its form overridable (flags, train.eval_beam); beam 1 is greedy search.
@@ -253,7 +253,7 @@ def max_output_lengths(src_pad_mask: torch.Tensor, options: SearchOptions) -> to
 
 
 def length_penalty(
-    length: int | torch.Tensor, alpha: float, norm: str = "gnmt"
+    length: int | torch.Tensor, alpha: float, norm: LengthNorm = "gnmt"
 ) -> float | torch.Tensor:
     """GNMT length penalty ((5 + length) / 6) ** alpha (Wu et al. 2016,
     https://arxiv.org/abs/1609.08144, eq. 14), or with norm "length" length ** alpha (the

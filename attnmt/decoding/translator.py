@@ -17,7 +17,7 @@ import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TypeVar, get_args
+from typing import TypeVar, cast, get_args
 
 import torch
 
@@ -237,7 +237,7 @@ class Translator:
             raise AttnmtError(f"n_best {n_best} exceeds the beam size {beam}; raise the beam")
         return search_options(
             self.cfg.decode, beam=beam, length_penalty=length_penalty, n_best=n_best,
-            attention=attention, sampling=sampling, length_norm=length_norm,
+            attention=attention, sampling=sampling, length_norm=cast(LengthNorm, length_norm),
         )  # fmt: skip
 
     def attention_spec(self, layer: int = -1, head: int | None = None) -> AttentionSpec:
