@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnmt.decoding import scripted_step
 from attnmt.kernels import matmul
 from attnmt.kernels.int8 import Int8Linear
 from attnmt.models.attention import in_keys_dtype
@@ -34,6 +35,7 @@ from attnmt.models.decoding_state import (
     TransformerState,
     append_position,
     per_row,
+    room_for_next,
 )
 from attnmt.models.transformer import ACTIVATIONS, DecoderLayer, TransformerSeq2Seq
 
@@ -204,6 +206,22 @@ class LeanStep:
         self.model = model
         self.pre_norm = model.pre_norm
         self.layers = [LeanLayer.of(layer) for layer in model.decoder_layers]
+        self.scripted = True  # the layers as a TorchScript graph where they can be one
+        self._graph: torch.jit.ScriptModule | bool | None = False  # False: not made yet
+
+    def __getstate__(self) -> dict:
+        """A copy (copy.deepcopy) makes its own graph at its first use."""
+        return {**self.__dict__, "_graph": False}
+
+    def graph(self) -> torch.jit.ScriptModule | None:
+        """The layers as a graph (scripted_step), made at the first call; None where
+        scripting is turned off or the layers are not of the form it covers."""
+        if not self.scripted:
+            return None
+        if self._graph is False:
+            activation = self.model.decoder_layers[0].ff.activation
+            self._graph = scripted_step.script(self.layers, self.pre_norm, activation)
+        return self._graph or None
 
     def __call__(
         self, memory: TransformerMemory, state: TransformerState, prev_tokens: Tensor
@@ -235,6 +253,10 @@ class LeanStep:
             else [slice(e - n, e) for n, e in zip(sizes, ends, strict=True)]
         )
         masks = [model._joined_mask(s) for s in states]  # (n, 1, 1, t+1) or None each
+        graph = self.graph() if _graph_applies(x, states) else None
+        if graph is not None:
+            x, caches = _run_graph(graph, x, memories, states, sizes, masks)
+            return self._logits(x, caches, states)
         caches: list[list] = [[] for _ in states]
         for i, (lean, layer) in enumerate(zip(self.layers, model.decoder_layers, strict=True)):
             parts = [
@@ -244,7 +266,13 @@ class LeanStep:
             x = self._layer(lean, x, parts) if lean is not None else _module_layer(layer, x, parts)
             for kept, part in zip(caches, parts, strict=True):
                 kept.append(part.cache)
-        logits = model.output(model.dec_norm(x))  # (N, V)
+        return self._logits(x, caches, states)
+
+    def _logits(
+        self, x: Tensor, caches: list[list], states: list[TransformerState]
+    ) -> tuple[Tensor, list[TransformerState]]:
+        """The last layer's x (N, d) -> logits (N, V), and each cohort's new state."""
+        logits = self.model.output(self.model.dec_norm(x))  # (N, V)
         return logits, [
             TransformerState(c, s.position + 1) for c, s in zip(caches, states, strict=True)
         ]
@@ -287,6 +315,46 @@ class LeanStep:
         h = self._sublayer_in(lean.norms[2], x)
         f = lean.activation(lean.ff_in(h))  # (N, ff)
         return self._sublayer_out(lean.norms[2], lean.ff_out(f, residual=x))
+
+
+def _graph_applies(x: Tensor, states: list[TransformerState]) -> bool:
+    """Whether the graph may run this step: on the CPU, without a gradient, every cache a
+    decoding one (with a Room)."""
+    if x.device.type != "cpu" or torch.is_grad_enabled():
+        return False
+    return all(isinstance(c, LayerCache) and c.room is not None for s in states for c in s.caches)
+
+
+def _run_graph(
+    graph: torch.jit.ScriptModule,
+    x: Tensor,
+    memories: list[TransformerMemory],
+    states: list[TransformerState],
+    sizes: list[int],
+    masks: list[Tensor | None],
+) -> tuple[Tensor, list[list]]:
+    """The decoder's layers by the graph: x (N, d) -> (N, d), and each cohort's caches grown
+    by one position (room_for_next gives each the buffers that take it, as append_position)."""
+    rooms = [
+        [room_for_next(s.caches[i], s.rows, n) for s, n in zip(states, sizes, strict=True)]
+        for i in range(len(states[0].caches))
+    ]  # [layer][cohort]
+    with torch.jit.optimized_execution(False):
+        x = graph(
+            x, [0, *itertools.accumulate(sizes)],
+            [[b for r in layer for b in (r.k, r.v)] for layer in rooms],
+            [[r.filled for r in layer] for layer in rooms],
+            [[r.start for r in layer] for layer in rooms],
+            masks,
+            [[t for m in memories for t in m.cross[i]] for i in range(len(rooms))],
+            [m.src_mask for m in memories],
+        )  # fmt: skip
+    caches: list[list] = [[] for _ in states]
+    for layer in rooms:
+        for kept, room, n in zip(caches, layer, sizes, strict=True):
+            room.filled += 1
+            kept.append(room.cache(n))
+    return x, caches
 
 
 def _self_attention(q: Tensor, k: Tensor, v: Tensor, parts: list[_Cohort]) -> Tensor:

@@ -111,31 +111,41 @@ def append_position(
     (index_select, then cat). A cache without a Room (an exported graph's), or one whose
     gradient is taken, grows by torch.cat.
     """
-    t, room = cache.self_k.size(2), cache.room
+    room = cache.room
     grad = torch.is_grad_enabled() and k_new.requires_grad  # autograd keeps what it read
     if rows is None and (room is None or grad):
         return LayerCache(torch.cat([cache.self_k, k_new], 2), torch.cat([cache.self_v, v_new], 2))
     N = k_new.size(0)
-    if rows is not None or room is None or not room.takes(t):
-        # Reordered rows (beam search: at every step) get no room to spare: a fresh buffer's
-        # pages are mapped as they are first written, and room would double them. Rows in
-        # order keep the rows to spare they had.
-        if rows is None:
-            assert room is not None  # else grown by torch.cat above
-            spare, capacity = ROOM, room.k.size(0)
-        else:
-            spare, capacity = 0, N
-        room = Room.sized(cache.self_k, capacity, t + 1 + spare, t)  # in the cache's dtype
-        for old, buffer in ((cache.self_k, room.k[:N]), (cache.self_v, room.v[:N])):
-            if rows is None:
-                buffer[:, :, :t].copy_(old)
-            else:
-                torch.index_select(old, 0, rows, out=buffer[:, :, :t])
+    room = room_for_next(cache, rows, N)
     at = room.filled
     room.k[:N, :, at : at + 1].copy_(k_new)
     room.v[:N, :, at : at + 1].copy_(v_new)
     room.filled = at + 1
     return room.cache(N)
+
+
+def room_for_next(cache: LayerCache, rows: torch.Tensor | None, N: int) -> Room:
+    """Buffers holding the cache's positions in its first N rows (in the order `rows` (N,)
+    gives, or as they are: None) with position `filled` free for the next (append_position):
+    the cache's own Room where it takes the next in place, else a copy."""
+    t, room = cache.self_k.size(2), cache.room
+    if rows is None and room is not None and room.takes(t):
+        return room
+    # Reordered rows (beam search: at every step) get no room to spare: a fresh buffer's
+    # pages are mapped as they are first written, and room would double them. Rows in
+    # order keep the rows to spare they had.
+    if rows is None:
+        assert room is not None  # else grown by torch.cat (append_position)
+        spare, capacity = ROOM, room.k.size(0)
+    else:
+        spare, capacity = 0, N
+    room = Room.sized(cache.self_k, capacity, t + 1 + spare, t)  # in the cache's dtype
+    for old, buffer in ((cache.self_k, room.k[:N]), (cache.self_v, room.v[:N])):
+        if rows is None:
+            buffer[:, :, :t].copy_(old)
+        else:
+            torch.index_select(old, 0, rows, out=buffer[:, :, :t])
+    return room
 
 
 @dataclass

@@ -1,0 +1,234 @@
+"""The lean step's decoder layers (attnmt.decoding.lean_step) compiled by TorchScript: the same
+operations in the same order, run by torch's graph interpreter instead of Python.
+
+Why: at a decoding step's few rows a product takes tens of microseconds, and calling each op
+from Python costs about as much again: an int8 product (`quantized::linear_dynamic`) pays 12 to
+20 µs per call in Python's binding against about 1 µs inside a graph. Three int8 decoder
+layers (the 30-minute T, 1 thread, AMD Zen 4) take 744 -> 268 µs at 1 row, 1,967 -> 1,381 µs
+at 28 and 4,311 -> 3,301 µs at 64 (docs/benchmarks.md).
+
+What stays in Python: the embedding, each cohort's mask, the room each cache writes its next
+position into (decoding_state.room_for_next: a copy where beam search reorders rows), the
+output layer (which a shortlist may replace) and search. The graph covers the layers only
+where every layer has self-attention with stacked q, k, v (no SSRU, no rotary positions, no
+16-bit weights, which the lean step computes otherwise), on the CPU without a gradient; the
+lean step's Python form runs the rest. The weights are read when the graph is made (once per
+process and model): as with the lean step's stacked q, k, v, a weight changed in place later
+is not seen.
+
+The graph runs with torch's optimizing passes off (torch.jit.optimized_execution(False)):
+they would specialise it to each step's shapes, which change every step. torch 2.13 marks
+TorchScript deprecated; this project pins torch 2.13, where it is supported.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, List, Optional  # noqa: UP035 (TorchScript reads typing's names)
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnmt.kernels import int8
+from attnmt.kernels.int8 import Int8Linear
+
+if TYPE_CHECKING:
+    from attnmt.decoding.lean_step import LeanLayer, Product
+
+Tensor = torch.Tensor
+
+
+class _Int8(nn.Module):
+    """An int8 product (Int8Linear: fbgemm's packing, and oneDNN's for calls with many rows)."""
+
+    def __init__(self, layer: Int8Linear) -> None:
+        super().__init__()
+        self.packed = layer.packed
+        self.wide = layer.packed if layer.wide is None else layer.wide
+        self.wide_outputs = layer.wide_outputs if layer.wide is not None else -1
+        self.out_features = layer.out_features
+        self.reduce_range = layer.reduce_range
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x (N, K) -> (N, N_out)."""
+        packed = self.packed
+        rows = x.size(0)
+        if (
+            self.wide_outputs >= 0
+            and rows >= int8.WIDE_ROWS
+            and rows * self.out_features >= self.wide_outputs
+        ):
+            packed = self.wide
+        return torch.ops.quantized.linear_dynamic(x, packed, self.reduce_range)
+
+
+def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:  # noqa: UP045
+    """lean_step._attention: softmax(q kᵀ / √d + mask) v in the keys' dtype; q (B, h, G, d_h),
+    k, v (B, h, T, d_h), mask additive (B|1, 1, 1, T) or None."""
+    if q.dtype != k.dtype:
+        q = q.to(k.dtype)
+        if mask is not None:
+            mask = mask.to(k.dtype)
+    if q.dtype != torch.float32:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if q.size(2) == 1:
+        scores = torch.mul(q, k).sum(-1, keepdim=True).mul_(q.size(-1) ** -0.5)  # (B, h, T, 1)
+        if mask is not None:
+            scores = scores.add_(mask.transpose(-1, -2))
+        return torch.mul(scores.softmax(-2), v).sum(-2, keepdim=True)  # (B, h, 1, d_h)
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.size(-1) ** -0.5)  # (B, h, G, T)
+    if mask is not None:
+        scores = scores.add_(mask)
+    return torch.matmul(scores.softmax(-1), v)  # (B, h, G, d_h)
+
+
+class _Layer(nn.Module):
+    """One decoder layer (lean_step.LeanStep._layer, self-attention with stacked q, k, v)."""
+
+    def __init__(self, lean: LeanLayer, pre_norm: bool, activation: str) -> None:
+        super().__init__()
+        self.qkv, self.out = _product(lean.qkv), _product(lean.out)
+        self.cross_q, self.cross_out = _product(lean.cross_q), _product(lean.cross_out)
+        self.ff_in, self.ff_out = _product(lean.ff_in), _product(lean.ff_out)
+        self.norm_w = [n.weight.detach() for n in lean.norms]
+        self.norm_b = [n.bias.detach() for n in lean.norms]
+        self.eps = [float(n.eps) for n in lean.norms]
+        self.pre_norm, self.activation, self.heads = pre_norm, activation, lean.heads
+
+    def _norm(self, i: int, x: Tensor) -> Tensor:
+        return F.layer_norm(x, [x.size(1)], self.norm_w[i], self.norm_b[i], self.eps[i])
+
+    def _in(self, i: int, x: Tensor) -> Tensor:
+        return self._norm(i, x) if self.pre_norm else x
+
+    def _out(self, i: int, y: Tensor) -> Tensor:
+        return y if self.pre_norm else self._norm(i, y)
+
+    def _act(self, f: Tensor) -> Tensor:
+        if self.activation == "gelu":
+            return F.gelu(f)
+        if self.activation == "swish":
+            return F.silu(f)
+        return torch.relu_(f)
+
+    def forward(
+        self,
+        x: Tensor,
+        bounds: List[int],  # noqa: UP006
+        caches: List[Tensor],  # noqa: UP006
+        ats: List[int],  # noqa: UP006
+        starts: List[int],  # noqa: UP006
+        self_masks: List[Optional[Tensor]],  # noqa: UP006, UP045
+        memory: List[Tensor],  # noqa: UP006
+        src_masks: List[Tensor],  # noqa: UP006
+    ) -> Tensor:
+        """x (N, d) -> (N, d). Cohort c: rows bounds[c]:bounds[c+1]; its Room's buffers
+        caches[2c] (keys), caches[2c+1] (values), (C, h, capacity, d_h), take this step's k
+        and v at position ats[c] and hold its positions from starts[c]; its memory's keys and
+        values memory[2c], memory[2c+1] (B, h, S, d_h)."""
+        N, d = x.size(0), x.size(1)
+        h_ = self.heads
+        d_h = d // h_
+        h = self._in(0, x)
+        qkv = self.qkv(h).view(N, 3, h_, 1, d_h)  # (N, 3, h, 1, d_h)
+        q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]  # (N, h, 1, d_h) each
+        outs: List[Tensor] = []  # noqa: UP006
+        for c in range(len(ats)):
+            a, b, at = bounds[c], bounds[c + 1], ats[c]
+            keys, values = caches[2 * c][: b - a], caches[2 * c + 1][: b - a]  # (n, h, cap, d_h)
+            keys[:, :, at : at + 1].copy_(k[a:b])
+            values[:, :, at : at + 1].copy_(v[a:b])
+            start = starts[c]
+            keys, values = keys[:, :, start : at + 1], values[:, :, start : at + 1]
+            outs.append(_attention(q[a:b], keys, values, self_masks[c]))  # (n, h, 1, d_h)
+        a = _joined(outs).to(x.dtype)  # (N, h, 1, d_h)
+        x = self._out(0, self.out(a.view(N, d)).add_(x))
+        h = self._in(1, x)
+        a = self._cross(self.cross_q(h), bounds, memory, src_masks).to(x.dtype)  # (N, d)
+        x = self._out(1, self.cross_out(a).add_(x))
+        h = self._in(2, x)
+        f = self._act(self.ff_in(h))  # (N, ff)
+        return self._out(2, self.ff_out(f).add_(x))
+
+    def _cross(
+        self,
+        q: Tensor,
+        bounds: List[int],  # noqa: UP006
+        memory: List[Tensor],  # noqa: UP006
+        src_masks: List[Tensor],  # noqa: UP006
+    ) -> Tensor:
+        """Each cohort's rows of q (N, d) over its memory -> (N, d); a memory row is read by
+        n // B rows (a sentence's beams) as G queries."""
+        d = q.size(1)
+        outs: List[Tensor] = []  # noqa: UP006
+        for c in range(len(src_masks)):
+            mine = q[bounds[c] : bounds[c + 1]]  # (n, d)
+            k = memory[2 * c]
+            n, B = mine.size(0), k.size(0)
+            mine = mine.view(B, n // B, self.heads, d // self.heads).transpose(1, 2)
+            a = _attention(mine, k, memory[2 * c + 1], src_masks[c])  # (B, h, G, d_h)
+            outs.append(a.transpose(1, 2).reshape(n, d))  # (n, d)
+        return _joined(outs)
+
+
+def _joined(parts: List[Tensor]) -> Tensor:  # noqa: UP006
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _product(product: Product | None) -> _Int8:
+    """The lean step's int8 Product as a module of the graph."""
+    assert product is not None and isinstance(product.module, Int8Linear)  # _covered
+    return _Int8(product.module)
+
+
+class ScriptedLayers(nn.Module):
+    """The decoder's layers as one graph: x (N, d) -> (N, d), each layer's arguments as
+    _Layer.forward takes them."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(
+        self,
+        x: Tensor,
+        bounds: List[int],  # noqa: UP006
+        caches: List[List[Tensor]],  # noqa: UP006
+        ats: List[List[int]],  # noqa: UP006
+        starts: List[List[int]],  # noqa: UP006
+        self_masks: List[Optional[Tensor]],  # noqa: UP006, UP045
+        memory: List[List[Tensor]],  # noqa: UP006
+        src_masks: List[Tensor],  # noqa: UP006
+    ) -> Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x, bounds, caches[i], ats[i], starts[i], self_masks, memory[i],
+                      src_masks)  # fmt: skip
+        return x
+
+
+def script(
+    lean_layers: list[LeanLayer | None], pre_norm: bool, activation: str
+) -> torch.jit.ScriptModule | None:
+    """The layers as a graph, or None where one is not of the form it covers (or TorchScript
+    cannot make one)."""
+    if not lean_layers or any(not _covered(lean) for lean in lean_layers):
+        return None
+    layers: list[nn.Module] = [_Layer(lean, pre_norm, activation) for lean in lean_layers]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", message=".*TorchScript.*")
+        try:
+            return torch.jit.script(ScriptedLayers(layers))
+        except (RuntimeError, torch.jit.frontend.FrontendError):
+            return None
+
+
+def _covered(lean: LeanLayer | None) -> bool:
+    """Self-attention with stacked q, k, v, and every product int8."""
+    if lean is None or lean.qkv is None or lean.out is None or lean.ssru is not None:
+        return False
+    products = [lean.qkv, lean.out, lean.cross_q, lean.cross_out, lean.ff_in, lean.ff_out]
+    return all(isinstance(p.module, Int8Linear) and p.weight_t is None for p in products) and all(
+        n.weight is not None and n.bias is not None for n in lean.norms
+    )
