@@ -41,13 +41,13 @@ def free_port() -> int:
 
 
 def start_server(
-    model: Path, port: int, wait_ms: float, threads: int, workers: int = 1
+    model: Path, port: int, wait_ms: float, threads: int, workers: int = 1, precision: str = ""
 ) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "attnmt", "serve", "-m", str(model), "--port", str(port),
          "--device", "cpu", "--max-queue", "4096", "--batch-wait-ms", str(wait_ms),
-         "--workers", str(workers)],
+         "--workers", str(workers), *(["--precision", precision] if precision else [])],
         env=env,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -144,7 +144,7 @@ def wait_up(url: str, proc: subprocess.Popen) -> None:
 
 
 def cli_rate(
-    model: Path, sentences: list[str], beam: int, threads: int, chunks: list[int]
+    model: Path, sentences: list[str], beam: int, threads: int, chunks: list[int], precision: str
 ) -> tuple[float, dict[int, tuple[float, float]]]:
     """Sentences/s of the batch path (Translator.translate over all sentences: batches of up
     to decode.batch_tokens, sorted by length), load excluded; and for each n of `chunks`, (the
@@ -156,7 +156,7 @@ def cli_rate(
     from attnmt import Translator
 
     torch.set_num_threads(threads)
-    translator = Translator.load(model, device="cpu")
+    translator = Translator.load(model, device="cpu", precision=precision or None)
     translator.translate(sentences[:64], beam=beam)  # warm up
     start = time.perf_counter()
     translator.translate(sentences, beam=beam)
@@ -212,11 +212,12 @@ def bench_serve(args: argparse.Namespace) -> None:
         sentences = [line.strip() for line in f]
     if getattr(args, "eole", None) is not None:
         return bench_eole(args, sentences)
-    cli = cli_rate(
-        args.model, sentences, args.beam, args.threads, [c for c in args.clients if c > 1]
-    )
+    chunks = [c for c in args.clients if c > 1]
+    cli = cli_rate(args.model, sentences, args.beam, args.threads, chunks, args.precision)
     port = free_port()
-    proc = start_server(args.model, port, args.batch_wait_ms, args.threads, args.workers)
+    proc = start_server(
+        args.model, port, args.batch_wait_ms, args.threads, args.workers, args.precision
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         body = lambda chunk: {"text": chunk, "beam": args.beam}  # noqa: E731
