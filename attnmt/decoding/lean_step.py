@@ -219,8 +219,11 @@ class LeanStep:
         if not self.scripted:
             return None
         if self._graph is False:
+            specs = [s for lean in self.layers if (s := _graph_spec(lean)) is not None]
             activation = self.model.decoder_layers[0].ff.activation
-            self._graph = scripted_step.script(self.layers, self.pre_norm, activation)
+            self._graph = None
+            if specs and len(specs) == len(self.layers):
+                self._graph = scripted_step.script(specs, self.pre_norm, activation)
         return self._graph or None
 
     def __call__(
@@ -315,6 +318,19 @@ class LeanStep:
         h = self._sublayer_in(lean.norms[2], x)
         f = lean.activation(lean.ff_in(h))  # (N, ff)
         return self._sublayer_out(lean.norms[2], lean.ff_out(f, residual=x))
+
+
+def _graph_spec(lean: LeanLayer | None) -> scripted_step.LayerSpec | None:
+    """The layer as the graph takes it: self-attention with q, k, v stacked and every product
+    int8 (fp32's products are most of its step: the graph gains nothing measurable there,
+    docs/benchmarks.md); else None."""
+    if lean is None or lean.qkv is None or lean.out is None or lean.ssru is not None:
+        return None
+    products = [lean.qkv, lean.out, lean.cross_q, lean.cross_out, lean.ff_in, lean.ff_out]
+    int8 = [p.module for p in products if p.weight_t is None and isinstance(p.module, Int8Linear)]
+    if len(int8) < len(products) or any(n.weight is None or n.bias is None for n in lean.norms):
+        return None
+    return scripted_step.LayerSpec(lean.norms, int8, lean.heads)
 
 
 def _graph_applies(x: Tensor, states: list[TransformerState]) -> bool:

@@ -24,7 +24,8 @@ TorchScript deprecated; this project pins torch 2.13, where it is supported.
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, List, Optional  # noqa: UP035 (TorchScript reads typing's names)
+from dataclasses import dataclass
+from typing import List, Optional  # noqa: UP035 (TorchScript reads typing's names)
 
 import torch
 import torch.nn.functional as F
@@ -33,10 +34,19 @@ from torch import nn
 from attnmt.kernels import int8
 from attnmt.kernels.int8 import Int8Linear
 
-if TYPE_CHECKING:
-    from attnmt.decoding.lean_step import LeanLayer, Product
-
 Tensor = torch.Tensor
+
+
+@dataclass
+class LayerSpec:
+    """One decoder layer as the graph takes it (lean_step.LeanLayer, where it has
+    self-attention and int8 products): its layer norms before or after self-attention,
+    cross-attention and the feed-forward, and its products: q, k and v stacked, self-attention's
+    output, cross-attention's q and output, the feed-forward's first and second."""
+
+    norms: list[nn.LayerNorm]
+    products: list[Int8Linear]
+    heads: int
 
 
 class _Int8(nn.Module):
@@ -86,15 +96,15 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tenso
 class _Layer(nn.Module):
     """One decoder layer (lean_step.LeanStep._layer, self-attention with stacked q, k, v)."""
 
-    def __init__(self, lean: LeanLayer, pre_norm: bool, activation: str) -> None:
+    def __init__(self, spec: LayerSpec, pre_norm: bool, activation: str) -> None:
         super().__init__()
-        self.qkv, self.out = _product(lean.qkv), _product(lean.out)
-        self.cross_q, self.cross_out = _product(lean.cross_q), _product(lean.cross_out)
-        self.ff_in, self.ff_out = _product(lean.ff_in), _product(lean.ff_out)
-        self.norm_w = [n.weight.detach() for n in lean.norms]
-        self.norm_b = [n.bias.detach() for n in lean.norms]
-        self.eps = [float(n.eps) for n in lean.norms]
-        self.pre_norm, self.activation, self.heads = pre_norm, activation, lean.heads
+        qkv, out, cross_q, cross_out, ff_in, ff_out = (_Int8(m) for m in spec.products)
+        self.qkv, self.out, self.cross_q, self.cross_out = qkv, out, cross_q, cross_out
+        self.ff_in, self.ff_out = ff_in, ff_out
+        self.norm_w = [n.weight.detach() for n in spec.norms]
+        self.norm_b = [n.bias.detach() for n in spec.norms]
+        self.eps = [float(n.eps) for n in spec.norms]
+        self.pre_norm, self.activation, self.heads = pre_norm, activation, spec.heads
 
     def _norm(self, i: int, x: Tensor) -> Tensor:
         return F.layer_norm(x, [x.size(1)], self.norm_w[i], self.norm_b[i], self.eps[i])
@@ -176,12 +186,6 @@ def _joined(parts: List[Tensor]) -> Tensor:  # noqa: UP006
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _product(product: Product | None) -> _Int8:
-    """The lean step's int8 Product as a module of the graph."""
-    assert product is not None and isinstance(product.module, Int8Linear)  # _covered
-    return _Int8(product.module)
-
-
 class ScriptedLayers(nn.Module):
     """The decoder's layers as one graph: x (N, d) -> (N, d), each layer's arguments as
     _Layer.forward takes them."""
@@ -208,27 +212,14 @@ class ScriptedLayers(nn.Module):
 
 
 def script(
-    lean_layers: list[LeanLayer | None], pre_norm: bool, activation: str
+    layers: list[LayerSpec], pre_norm: bool, activation: str
 ) -> torch.jit.ScriptModule | None:
-    """The layers as a graph, or None where one is not of the form it covers (or TorchScript
-    cannot make one)."""
-    if not lean_layers or any(not _covered(lean) for lean in lean_layers):
-        return None
-    layers: list[nn.Module] = [_Layer(lean, pre_norm, activation) for lean in lean_layers]
+    """The layers as a graph, or None where TorchScript cannot make one."""
+    modules: list[nn.Module] = [_Layer(spec, pre_norm, activation) for spec in layers]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=DeprecationWarning)
         warnings.filterwarnings("ignore", message=".*TorchScript.*")
         try:
-            return torch.jit.script(ScriptedLayers(layers))
+            return torch.jit.script(ScriptedLayers(modules))
         except (RuntimeError, torch.jit.frontend.FrontendError):
             return None
-
-
-def _covered(lean: LeanLayer | None) -> bool:
-    """Self-attention with stacked q, k, v, and every product int8."""
-    if lean is None or lean.qkv is None or lean.out is None or lean.ssru is not None:
-        return False
-    products = [lean.qkv, lean.out, lean.cross_q, lean.cross_out, lean.ff_in, lean.ff_out]
-    return all(isinstance(p.module, Int8Linear) and p.weight_t is None for p in products) and all(
-        n.weight is not None and n.bias is not None for n in lean.norms
-    )
