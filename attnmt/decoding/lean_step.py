@@ -26,8 +26,8 @@ from torch import nn
 
 from attnmt.decoding import scripted_step
 from attnmt.kernels import matmul
+from attnmt.kernels.attention import step_attention
 from attnmt.kernels.int8 import Int8Linear
-from attnmt.models.attention import in_keys_dtype
 from attnmt.models.decoding_state import (
     LayerCache,
     RecurrentCache,
@@ -147,31 +147,6 @@ class LeanLayer:
 
 def _norm(norm: nn.LayerNorm, x: Tensor) -> Tensor:
     return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
-
-
-def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-    """softmax(q kᵀ / √d + mask) v in the dtype k and v are kept in (cache_dtype).
-
-    q (B, h, G, d_h): G queries a row (beam search's cross-attention: a sentence's beams);
-    k, v (B, h, T, d_h); mask additive, (B|1, 1, 1, T), or None. On a CPU in fp32, one query a
-    row as sums of element-wise products, s_t = Σ_i q_i k_ti / √d and o = Σ_t softmax(s)_t v_t,
-    each read of the keys and values one pass over memory; several as two batched products,
-    the softmax between. torch's fused kernel, sized for long queries, makes a product per row
-    and head (whole runs, 1 thread, 500 sentences: greedy attention 0.28 → 0.18 s fp32, 0.25 →
-    0.16 s int8; beam 5 0.50 → 0.46 s fp32, 0.45 → 0.43 s int8; docs/benchmarks.md).
-    """
-    q, mask = in_keys_dtype(q, mask, k)
-    if q.is_cuda or q.dtype != torch.float32:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    if q.size(2) == 1:
-        scores = torch.mul(q, k).sum(-1, keepdim=True).mul_(q.size(-1) ** -0.5)  # (B, h, T, 1)
-        if mask is not None:
-            scores = scores.add_(mask.transpose(-1, -2))
-        return torch.mul(scores.softmax(-2), v).sum(-2, keepdim=True)  # (B, h, 1, d_h)
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.size(-1) ** -0.5)  # (B, h, G, T)
-    if mask is not None:
-        scores = scores.add_(mask)
-    return torch.matmul(scores.softmax(-1), v)  # (B, h, G, d_h)
 
 
 @dataclass
@@ -380,7 +355,7 @@ def _self_attention(q: Tensor, k: Tensor, v: Tensor, parts: list[_Cohort]) -> Te
     for p in parts:
         assert isinstance(p.cache, LayerCache)
         p.cache = append_position(p.cache, p.of(k), p.of(v), p.state.rows)  # (n, h, t+1, d_h)
-        outs.append(_attention(p.of(q), p.cache.self_k, p.cache.self_v, p.self_mask))
+        outs.append(step_attention(p.of(q), p.cache.self_k, p.cache.self_v, p.self_mask))
     return _stacked(outs)
 
 
@@ -393,7 +368,7 @@ def _cross_attention(q: Tensor, heads: int, parts: list[_Cohort]) -> Tensor:
         mine = p.of(q)  # (n, d)
         n, B = mine.size(0), p.cross_k.size(0)
         mine = mine.view(B, n // B, heads, d // heads).transpose(1, 2)  # (B, h, G, d_h)
-        a = _attention(mine, p.cross_k, p.cross_v, p.src_mask)  # (B, h, G, d_h)
+        a = step_attention(mine, p.cross_k, p.cross_v, p.src_mask)  # (B, h, G, d_h)
         outs.append(a.transpose(1, 2).reshape(n, d))  # (n, d)
     return _stacked(outs)
 

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnmt.kernels import int8
+from attnmt.kernels.attention import step_attention
 from attnmt.kernels.int8 import Int8Linear
 
 Tensor = torch.Tensor
@@ -71,26 +72,6 @@ class _Int8(nn.Module):
         ):
             packed = self.wide
         return torch.ops.quantized.linear_dynamic(x, packed, self.reduce_range)
-
-
-def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:  # noqa: UP045
-    """lean_step._attention: softmax(q kᵀ / √d + mask) v in the keys' dtype; q (B, h, G, d_h),
-    k, v (B, h, T, d_h), mask additive (B|1, 1, 1, T) or None."""
-    if q.dtype != k.dtype:
-        q = q.to(k.dtype)
-        if mask is not None:
-            mask = mask.to(k.dtype)
-    if q.dtype != torch.float32:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    if q.size(2) == 1:
-        scores = torch.mul(q, k).sum(-1, keepdim=True).mul_(q.size(-1) ** -0.5)  # (B, h, T, 1)
-        if mask is not None:
-            scores = scores.add_(mask.transpose(-1, -2))
-        return torch.mul(scores.softmax(-2), v).sum(-2, keepdim=True)  # (B, h, 1, d_h)
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.size(-1) ** -0.5)  # (B, h, G, T)
-    if mask is not None:
-        scores = scores.add_(mask)
-    return torch.matmul(scores.softmax(-1), v)  # (B, h, G, d_h)
 
 
 class _Layer(nn.Module):
@@ -151,7 +132,7 @@ class _Layer(nn.Module):
             values[:, :, at : at + 1].copy_(v[a:b])
             start = starts[c]
             keys, values = keys[:, :, start : at + 1], values[:, :, start : at + 1]
-            outs.append(_attention(q[a:b], keys, values, self_masks[c]))  # (n, h, 1, d_h)
+            outs.append(step_attention(q[a:b], keys, values, self_masks[c]))  # (n, h, 1, d_h)
         a = _joined(outs).to(x.dtype)  # (N, h, 1, d_h)
         x = self._out(0, self.out(a.view(N, d)).add_(x))
         h = self._in(1, x)
@@ -177,7 +158,7 @@ class _Layer(nn.Module):
             k = memory[2 * c]
             n, B = mine.size(0), k.size(0)
             mine = mine.view(B, n // B, self.heads, d // self.heads).transpose(1, 2)
-            a = _attention(mine, k, memory[2 * c + 1], src_masks[c])  # (B, h, G, d_h)
+            a = step_attention(mine, k, memory[2 * c + 1], src_masks[c])  # (B, h, G, d_h)
             outs.append(a.transpose(1, 2).reshape(n, d))  # (n, d)
         return _joined(outs)
 

@@ -1,5 +1,6 @@
 """attnmt.kernels.attention: attention with dropout on CPU, head by head, equals the plain
-equations (attnmt.models.attention.scaled_dot_product) with the same dropout mask."""
+equations (attnmt.models.attention.scaled_dot_product) with the same dropout mask; a decoding
+step's attention (step_attention) equals them too, in Python and compiled by TorchScript."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from attnmt.kernels import fused_attention
+from attnmt.kernels.attention import step_attention
 from attnmt.models.attention import additive_mask, causal_mask, scaled_dot_product
 
 
@@ -72,3 +74,23 @@ def test_headwise_attention_under_bf16_autocast_matches_the_plain_equations():
     for a, b in zip(grads, ref_grads, strict=True):
         assert a.dtype == torch.bfloat16
         torch.testing.assert_close(a, b.to(a.dtype), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("queries", [1, 3])  # one query a row (sums), several (products)
+@pytest.mark.parametrize("keys_dtype", [torch.float32, torch.bfloat16])
+def test_step_attention_equals_the_plain_equations(queries: int, keys_dtype: torch.dtype):
+    torch.manual_seed(1)
+    B, h, T, d = 3, 4, 6, 8
+    q = torch.randn(B, h, queries, d)
+    k, v = (torch.randn(B, h, T, d).to(keys_dtype) for _ in range(2))
+    pad = torch.zeros(B, T, dtype=torch.bool)
+    pad[2, -3:] = True
+    mask = additive_mask(pad, None, torch.float32)  # (B, 1, 1, T)
+    plain, _ = scaled_dot_product(q, k.float(), v.float(), mask)  # (B, h, G, d)
+    scripted = torch.jit.script(step_attention)
+    for fn in (step_attention, scripted):
+        out = fn(q, k, v, mask)
+        assert out.dtype == keys_dtype and out.shape == (B, h, queries, d)
+        tolerance = 1e-5 if keys_dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(out.float(), plain, rtol=tolerance, atol=tolerance)
