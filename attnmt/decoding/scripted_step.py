@@ -3,16 +3,16 @@ operations in the same order, run by torch's graph interpreter instead of Python
 
 Why: at a decoding step's few rows a product takes tens of microseconds, and calling each op
 from Python costs about as much again: an int8 product (`quantized::linear_dynamic`) pays 12 to
-20 µs per call in Python's binding against about 1 µs inside a graph. Three int8 decoder
-layers (the 30-minute T, 1 thread, AMD Zen 4) take 744 -> 268 µs at 1 row, 1,967 -> 1,381 µs
-at 28 and 4,311 -> 3,301 µs at 64 (docs/benchmarks.md).
+20 µs per call in Python's binding against about 1 µs inside a graph. A decoding step of the
+30-minute T in int8 (1 thread, AMD Zen 4) takes 1.30 -> 0.77 ms at 1 row, 3.33 -> 2.74 ms at 32
+and 5.30 -> 4.87 ms at 64; fp32, whose products are most of its step, gained nothing
+measurable and keeps the Python form (docs/benchmarks.md).
 
 What stays in Python: the embedding, each cohort's mask, the room each cache writes its next
 position into (decoding_state.room_for_next: a copy where beam search reorders rows), the
 output layer (which a shortlist may replace) and search. The graph covers the layers only
-where every layer has self-attention with stacked q, k, v (no SSRU, no rotary positions, no
-16-bit weights, which the lean step computes otherwise), on the CPU without a gradient; the
-lean step's Python form runs the rest. The weights are read when the graph is made (once per
+where every layer has self-attention with stacked q, k, v and int8 products (no SSRU, no
+rotary positions), on the CPU without a gradient; the lean step's Python form runs the rest. The weights are read when the graph is made (once per
 process and model): as with the lean step's stacked q, k, v, a weight changed in place later
 is not seen.
 
