@@ -69,7 +69,11 @@ class Product:
         work = 0 if self.weight_t is None else x.size(0) * self.weight_t.numel()  # M K N
         if self.weight_t is None:
             y = self.module(x)
-        elif work >= matmul.ONEDNN_MIN_WORK and matmul.use_onednn(x, work):
+        elif (
+            work >= matmul.ONEDNN_MIN_WORK
+            and x.size(0) > matmul.BLAS_MAX_ROWS
+            and matmul.use_onednn(x, work)
+        ):
             # the matmul backend in use says oneDNN (`auto` on AMD CPUs with AVX-512)
             w = self.weight_t.t()  # (N, K)
             packed = None if self.packed is None else self.packed.of(w)

@@ -12,9 +12,9 @@ What stays in Python: the embedding, each cohort's mask, the room each cache wri
 position into (decoding_state.room_for_next: a copy where beam search reorders rows), the
 output layer (which a shortlist may replace) and search. The graph covers the layers only
 where every layer has self-attention with stacked q, k, v and int8 products (no SSRU, no
-rotary positions), on the CPU without a gradient; the lean step's Python form runs the rest. The weights are read when the graph is made (once per
-process and model): as with the lean step's stacked q, k, v, a weight changed in place later
-is not seen.
+rotary positions), on the CPU without a gradient; the lean step's Python form runs the rest.
+The weights are read when the graph is made (once per process and model): as with the lean
+step's stacked q, k, v, a weight changed in place later is not seen.
 
 The graph runs with torch's optimizing passes off (torch.jit.optimized_execution(False)):
 they would specialise it to each step's shapes, which change every step. torch 2.13 marks

@@ -32,6 +32,13 @@ from attnmt.device import MATMUL_BACKENDS
 # per call outweighs its speed (docs/benchmarks.md).
 ONEDNN_MIN_WORK = 1 << 20
 
+# A product of this many rows or fewer (a decoding step of one sentence, beam search's first
+# step) stays with the BLAS whatever its size: it reads each weight once, bound by memory, and
+# MKL reads the column-major weight (column_major_weights) faster than oneDNN its packed copy
+# (the 30-minute T, fp32, batches of 1, 1 thread: greedy +5 %, beam 5 +1 to +6 %;
+# docs/benchmarks.md).
+BLAS_MAX_ROWS = 2
+
 # Inside matmul_backend(): "blas" or "onednn". A context variable, not a module global: each
 # thread (and asyncio task) sees the backend of its own block, so two Translators with
 # different backends in one process do not switch each other's.
@@ -200,7 +207,12 @@ def linear(
     K, N = weight.shape[1], weight.shape[0]
     M = x.numel() // K if K else 0
     # Matrix-vector products (a Bahdanau energy layer) are bound by memory, not by the kernel.
-    if N < 16 or not use_onednn(x, M * K * N) or weight.dtype != torch.float32:
+    if (
+        N < 16
+        or M <= BLAS_MAX_ROWS
+        or not use_onednn(x, M * K * N)
+        or weight.dtype != torch.float32
+    ):
         return F.linear(x, weight, bias)
     x2 = x.reshape(M, K)  # (M, K)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
