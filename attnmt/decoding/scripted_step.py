@@ -195,12 +195,13 @@ class ScriptedLayers(nn.Module):
 def script(
     layers: list[LayerSpec], pre_norm: bool, activation: str
 ) -> torch.jit.ScriptModule | None:
-    """The layers as a graph, or None where TorchScript cannot make one."""
+    """The layers as a graph, or None where TorchScript cannot make one (it compiles from the
+    source files: OSError where they are not installed)."""
     modules: list[nn.Module] = [_Layer(spec, pre_norm, activation) for spec in layers]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=DeprecationWarning)
         warnings.filterwarnings("ignore", message=".*TorchScript.*")
         try:
             return torch.jit.script(ScriptedLayers(modules))
-        except (RuntimeError, torch.jit.frontend.FrontendError):
+        except (RuntimeError, OSError, torch.jit.frontend.FrontendError):
             return None
