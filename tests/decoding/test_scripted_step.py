@@ -131,3 +131,22 @@ def test_no_graph_with_a_gradient_and_a_copy_makes_its_own(monkeypatch: pytest.M
     copied = copy.deepcopy(model)
     assert copied.lean_step._graph is False  # made again at its first use
     assert copied.lean_step.graph() is not None
+
+
+def test_without_torchscript_the_python_form_decodes(monkeypatch: pytest.MonkeyPatch):
+    """Where TorchScript cannot compile (no source files installed), the step is the Python
+    form's, with its results."""
+
+    def fails(_module: torch.nn.Module) -> None:
+        raise OSError("could not get source code")
+
+    graphed = _int8()
+    python = copy.deepcopy(graphed)
+    monkeypatch.setattr(torch.jit, "script", fails)
+    calls = _counted(monkeypatch)
+    python.lean_step.scripted = False
+    with torch.no_grad():
+        mine, theirs = _join_and_cohort_steps(graphed), _join_and_cohort_steps(python)
+    assert graphed.lean_step.graph() is None and not calls
+    for x, y in zip(mine, theirs, strict=True):
+        torch.testing.assert_close(x, y)
