@@ -71,8 +71,8 @@ class Product:
             y = self.module(x)
         elif (
             work >= matmul.ONEDNN_MIN_WORK
-            and x.size(0) > matmul.BLAS_MAX_ROWS
             and matmul.use_onednn(x, work)
+            and x.size(0) > matmul.BLAS_MAX_ROWS
         ):
             # the matmul backend in use says oneDNN (`auto` on AMD CPUs with AVX-512)
             w = self.weight_t.t()  # (N, K)

@@ -207,10 +207,12 @@ def linear(
     K, N = weight.shape[1], weight.shape[0]
     M = x.numel() // K if K else 0
     # Matrix-vector products (a Bahdanau energy layer) are bound by memory, not by the kernel.
+    # use_onednn first: under torch.compile or an export it answers before reading M, which a
+    # test of M would otherwise fix to the example's rows (a guard on a dynamic size).
     if (
         N < 16
-        or M <= BLAS_MAX_ROWS
         or not use_onednn(x, M * K * N)
+        or M <= BLAS_MAX_ROWS
         or weight.dtype != torch.float32
     ):
         return F.linear(x, weight, bias)
