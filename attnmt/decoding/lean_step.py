@@ -31,6 +31,7 @@ from attnmt.kernels.int8 import Int8Linear
 from attnmt.models.decoding_state import (
     LayerCache,
     RecurrentCache,
+    Room,
     TransformerMemory,
     TransformerState,
     append_position,
@@ -300,24 +301,33 @@ class LeanStep:
 
 
 def _graph_spec(lean: LeanLayer | None) -> scripted_step.LayerSpec | None:
-    """The layer as the graph takes it: self-attention with q, k, v stacked and every product
-    int8 (fp32's products are most of its step: the graph gains nothing measurable there,
-    docs/benchmarks.md); else None."""
-    if lean is None or lean.qkv is None or lean.out is None or lean.ssru is not None:
+    """The layer as the graph takes it: self-attention with q, k, v stacked, or an SSRU, and
+    every product int8 (fp32's products are most of its step: the graph gains nothing
+    measurable there, docs/benchmarks.md); else None."""
+    if lean is None:
         return None
-    products = [lean.qkv, lean.out, lean.cross_q, lean.cross_out, lean.ff_in, lean.ff_out]
-    int8 = [p.module for p in products if p.weight_t is None and isinstance(p.module, Int8Linear)]
+    mix = [lean.ssru] if lean.ssru is not None else [lean.qkv, lean.out]
+    products = [*mix, lean.cross_q, lean.cross_out, lean.ff_in, lean.ff_out]
+    int8 = [
+        p.module
+        for p in products
+        if p is not None and p.weight_t is None and isinstance(p.module, Int8Linear)
+    ]
     if len(int8) < len(products) or any(n.weight is None or n.bias is None for n in lean.norms):
         return None
-    return scripted_step.LayerSpec(lean.norms, int8, lean.heads)
+    return scripted_step.LayerSpec(lean.norms, int8, lean.heads, lean.ssru is not None)
 
 
 def _graph_applies(x: Tensor, states: list[TransformerState]) -> bool:
-    """Whether the graph may run this step: on the CPU, without a gradient, every cache a
-    decoding one (with a Room)."""
+    """Whether the graph may run this step: on the CPU, without a gradient, every
+    self-attention cache a decoding one (with a Room)."""
     if x.device.type != "cpu" or torch.is_grad_enabled():
         return False
-    return all(isinstance(c, LayerCache) and c.room is not None for s in states for c in s.caches)
+    return all(
+        isinstance(c, RecurrentCache) or (isinstance(c, LayerCache) and c.room is not None)
+        for s in states
+        for c in s.caches
+    )
 
 
 def _run_graph(
@@ -329,27 +339,65 @@ def _run_graph(
     masks: list[Tensor | None],
 ) -> tuple[Tensor, list[list]]:
     """The decoder's layers by the graph: x (N, d) -> (N, d), and each cohort's caches grown
-    by one position (room_for_next gives each the buffers that take it, as append_position)."""
-    rooms = [
-        [room_for_next(s.caches[i], s.rows, n) for s, n in zip(states, sizes, strict=True)]
-        for i in range(len(states[0].caches))
-    ]  # [layer][cohort]
+    by one position (room_for_next gives each the buffers that take it, as append_position),
+    or an SSRU's c_t."""
+    layers = [_GraphLayer.of([s.caches[i] for s in states], states, sizes)
+              for i in range(len(states[0].caches))]  # fmt: skip
     with torch.jit.optimized_execution(False):
         x = graph(
             x, [0, *itertools.accumulate(sizes)],
-            [[b for r in layer for b in (r.k, r.v)] for layer in rooms],
-            [[r.filled for r in layer] for layer in rooms],
-            [[r.start for r in layer] for layer in rooms],
+            [layer.buffers for layer in layers],
+            [layer.ats for layer in layers],
+            [layer.starts for layer in layers],
             masks,
-            [[t for m in memories for t in m.cross[i]] for i in range(len(rooms))],
+            [[t for m in memories for t in m.cross[i]] for i in range(len(layers))],
             [m.src_mask for m in memories],
         )  # fmt: skip
     caches: list[list] = [[] for _ in states]
-    for layer in rooms:
-        for kept, room, n in zip(caches, layer, sizes, strict=True):
-            room.filled += 1
-            kept.append(room.cache(n))
+    for layer in layers:
+        for kept, cache in zip(caches, layer.grown(sizes), strict=True):
+            kept.append(cache)
     return x, caches
+
+
+@dataclass
+class _GraphLayer:
+    """What the graph reads and writes of one layer's caches (scripted_step._SelfAttention,
+    _Ssru): each cohort's Room and its next position, or all rows' c_{t-1} and c_t."""
+
+    rooms: list[Room] | None
+    buffers: list[Tensor]
+    ats: list[int]
+    starts: list[int]
+
+    @classmethod
+    def of(
+        cls,
+        cohorts: list[LayerCache | RecurrentCache],
+        states: list[TransformerState],
+        sizes: list[int],
+    ) -> _GraphLayer:
+        """The layer's caches (one a cohort) as the graph takes them."""
+        rows = [s.rows for s in states]
+        recurrent = [c for c in cohorts if isinstance(c, RecurrentCache)]
+        if recurrent:
+            previous = _stacked([_in_order(c, r) for c, r in zip(recurrent, rows, strict=True)])
+            return cls(None, [previous, torch.empty_like(previous)], [], [])  # (N, d) each
+        cached = [c for c in cohorts if isinstance(c, LayerCache)]
+        rooms = [room_for_next(c, r, n) for c, r, n in zip(cached, rows, sizes, strict=True)]
+        buffers = [b for r in rooms for b in (r.k, r.v)]
+        return cls(rooms, buffers, [r.filled for r in rooms], [r.start for r in rooms])
+
+    def grown(self, sizes: list[int]) -> list[LayerCache | RecurrentCache]:
+        """Each cohort's cache after the step."""
+        if self.rooms is None:  # c_t of all rows, a cohort's rows after another's
+            ends = list(itertools.accumulate(sizes))
+            return [
+                RecurrentCache(self.buffers[1][e - n : e]) for n, e in zip(sizes, ends, strict=True)
+            ]
+        for room in self.rooms:
+            room.filled += 1
+        return [room.cache(n) for room, n in zip(self.rooms, sizes, strict=True)]
 
 
 def _self_attention(q: Tensor, k: Tensor, v: Tensor, parts: list[_Cohort]) -> Tensor:
@@ -380,8 +428,12 @@ def _cross_attention(q: Tensor, heads: int, parts: list[_Cohort]) -> Tensor:
 def _recurrent(part: _Cohort) -> Tensor:
     """An SSRU cohort's c_{t-1} in its rows' order (n, d)."""
     assert isinstance(part.cache, RecurrentCache)
-    rows = part.state.rows
-    return part.cache.c if rows is None else part.cache.c.index_select(0, rows)
+    return _in_order(part.cache, part.state.rows)
+
+
+def _in_order(cache: RecurrentCache, rows: Tensor | None) -> Tensor:
+    """An SSRU's c_{t-1} (n, d) in the order of `rows` (n,), or as it is: None."""
+    return cache.c if rows is None else cache.c.index_select(0, rows)
 
 
 def _module_layer(layer: DecoderLayer, x: Tensor, parts: list[_Cohort]) -> Tensor:

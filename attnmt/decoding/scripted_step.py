@@ -5,13 +5,14 @@ Why: at a decoding step's few rows a product takes tens of microseconds, and cal
 from Python costs about as much again: an int8 product (`quantized::linear_dynamic`) pays 12 to
 20 µs per call in Python's binding against about 1 µs inside a graph. A decoding step of the
 30-minute T in int8 (1 thread, AMD Zen 4) takes 1.30 -> 0.77 ms at 1 row, 3.33 -> 2.74 ms at 32
-and 5.30 -> 4.87 ms at 64; fp32, whose products are most of its step, gained nothing
-measurable and keeps the Python form (docs/benchmarks.md).
+and 5.30 -> 4.87 ms at 64; the SSRU student's (3 + 1 layers) 1.06-1.15x; fp32, whose
+products are most of its step, gained nothing measurable and keeps the Python form
+(docs/benchmarks.md).
 
 What stays in Python: the embedding, each cohort's mask, the room each cache writes its next
 position into (decoding_state.room_for_next: a copy where beam search reorders rows), the
 output layer (which a shortlist may replace) and search. The graph covers the layers only
-where every layer has self-attention with stacked q, k, v and int8 products (no SSRU, no
+where every layer has self-attention with stacked q, k, v or an SSRU, and int8 products (no
 rotary positions), on the CPU without a gradient; the lean step's Python form runs the rest.
 The weights are read when the graph is made (once per process and model): as with the lean
 step's stacked q, k, v, a weight changed in place later is not seen.
@@ -40,14 +41,16 @@ Tensor = torch.Tensor
 
 @dataclass
 class LayerSpec:
-    """One decoder layer as the graph takes it (lean_step.LeanLayer, where it has
-    self-attention and int8 products): its layer norms before or after self-attention,
-    cross-attention and the feed-forward, and its products: q, k and v stacked, self-attention's
-    output, cross-attention's q and output, the feed-forward's first and second."""
+    """One decoder layer as the graph takes it (lean_step.LeanLayer, where its products are
+    int8): its layer norms before or after self-attention (or the SSRU), cross-attention and
+    the feed-forward, and its products: q, k and v stacked and self-attention's output (or
+    the SSRU's W and W_f stacked: `ssru`), cross-attention's q and output, the feed-forward's
+    first and second."""
 
     norms: list[nn.LayerNorm]
     products: list[Int8Linear]
     heads: int
+    ssru: bool = False
 
 
 class _Int8(nn.Module):
@@ -74,14 +77,84 @@ class _Int8(nn.Module):
         return torch.ops.quantized.linear_dynamic(x, packed, self.reduce_range)
 
 
+class _SelfAttention(nn.Module):
+    """Self-attention over each cohort's cache (lean_step._self_attention), the residual added."""
+
+    def __init__(self, qkv: Int8Linear, out: Int8Linear, heads: int) -> None:
+        super().__init__()
+        self.qkv, self.out, self.heads = _Int8(qkv), _Int8(out), heads
+
+    def forward(
+        self,
+        h: Tensor,
+        x: Tensor,
+        bounds: List[int],  # noqa: UP006
+        caches: List[Tensor],  # noqa: UP006
+        ats: List[int],  # noqa: UP006
+        starts: List[int],  # noqa: UP006
+        self_masks: List[Optional[Tensor]],  # noqa: UP006, UP045
+    ) -> Tensor:
+        """x + SelfAttention(h): h, x (N, d) -> (N, d). Cohort c: rows bounds[c]:bounds[c+1];
+        its Room's buffers caches[2c] (keys), caches[2c+1] (values), (C, h, capacity, d_h),
+        take this step's k and v at position ats[c] and hold its positions from starts[c]."""
+        N, d = x.size(0), x.size(1)
+        h_ = self.heads
+        d_h = d // h_
+        qkv = self.qkv(h).view(N, 3, h_, 1, d_h)  # (N, 3, h, 1, d_h)
+        q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]  # (N, h, 1, d_h) each
+        outs: List[Tensor] = []  # noqa: UP006
+        for c in range(len(ats)):
+            a, b, at = bounds[c], bounds[c + 1], ats[c]
+            keys, values = caches[2 * c][: b - a], caches[2 * c + 1][: b - a]  # (n, h, cap, d_h)
+            keys[:, :, at : at + 1].copy_(k[a:b])
+            values[:, :, at : at + 1].copy_(v[a:b])
+            start = starts[c]
+            keys, values = keys[:, :, start : at + 1], values[:, :, start : at + 1]
+            outs.append(step_attention(q[a:b], keys, values, self_masks[c]))  # (n, h, 1, d_h)
+        a = _joined(outs).to(x.dtype)  # (N, h, 1, d_h)
+        return self.out(a.view(N, d)).add_(x)
+
+
+class _Ssru(nn.Module):
+    """The SSRU's step (attnmt.models.ssru), the residual added: f = σ(W_f h + b_f),
+    c_t = f ⊙ c_{t−1} + (1 − f) ⊙ W h, x + ReLU(c_t)."""
+
+    def __init__(self, w: Int8Linear) -> None:
+        super().__init__()
+        self.w = _Int8(w)  # W and W_f side by side
+
+    def forward(
+        self,
+        h: Tensor,
+        x: Tensor,
+        bounds: List[int],  # noqa: UP006
+        caches: List[Tensor],  # noqa: UP006
+        ats: List[int],  # noqa: UP006
+        starts: List[int],  # noqa: UP006
+        self_masks: List[Optional[Tensor]],  # noqa: UP006, UP045
+    ) -> Tensor:
+        """h, x (N, d) -> (N, d); caches: c_{t−1} (N, d) of every row, and the buffer (N, d)
+        that takes c_t."""
+        wx, gate = self.w(h).chunk(2, dim=1)  # (N, d) each: W h, W_f h + b_f
+        f = torch.sigmoid(gate)
+        c = f * caches[0] + (1 - f) * wx  # c_t
+        caches[1].copy_(c)
+        return torch.relu(c).add_(x)
+
+
 class _Layer(nn.Module):
-    """One decoder layer (lean_step.LeanStep._layer, self-attention with stacked q, k, v)."""
+    """One decoder layer (lean_step.LeanStep._layer): self-attention or an SSRU, then
+    cross-attention and the feed-forward."""
 
     def __init__(self, spec: LayerSpec, pre_norm: bool, activation: str) -> None:
         super().__init__()
-        qkv, out, cross_q, cross_out, ff_in, ff_out = (_Int8(m) for m in spec.products)
-        self.qkv, self.out, self.cross_q, self.cross_out = qkv, out, cross_q, cross_out
-        self.ff_in, self.ff_out = ff_in, ff_out
+        p = spec.products
+        if spec.ssru:
+            self.mix: nn.Module = _Ssru(p[0])
+        else:
+            self.mix = _SelfAttention(p[0], p[1], spec.heads)
+        cross_q, cross_out, ff_in, ff_out = (_Int8(m) for m in p[-4:])
+        self.cross_q, self.cross_out, self.ff_in, self.ff_out = cross_q, cross_out, ff_in, ff_out
         self.norm_w = [n.weight.detach() for n in spec.norms]
         self.norm_b = [n.bias.detach() for n in spec.norms]
         self.eps = [float(n.eps) for n in spec.norms]
@@ -114,27 +187,11 @@ class _Layer(nn.Module):
         memory: List[Tensor],  # noqa: UP006
         src_masks: List[Tensor],  # noqa: UP006
     ) -> Tensor:
-        """x (N, d) -> (N, d). Cohort c: rows bounds[c]:bounds[c+1]; its Room's buffers
-        caches[2c] (keys), caches[2c+1] (values), (C, h, capacity, d_h), take this step's k
-        and v at position ats[c] and hold its positions from starts[c]; its memory's keys and
-        values memory[2c], memory[2c+1] (B, h, S, d_h)."""
-        N, d = x.size(0), x.size(1)
-        h_ = self.heads
-        d_h = d // h_
+        """x (N, d) -> (N, d). Cohort c: rows bounds[c]:bounds[c+1]; caches, ats, starts,
+        self_masks as the self-attention or SSRU takes them (_SelfAttention, _Ssru); its
+        memory's keys and values memory[2c], memory[2c+1] (B, h, S, d_h)."""
         h = self._in(0, x)
-        qkv = self.qkv(h).view(N, 3, h_, 1, d_h)  # (N, 3, h, 1, d_h)
-        q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]  # (N, h, 1, d_h) each
-        outs: List[Tensor] = []  # noqa: UP006
-        for c in range(len(ats)):
-            a, b, at = bounds[c], bounds[c + 1], ats[c]
-            keys, values = caches[2 * c][: b - a], caches[2 * c + 1][: b - a]  # (n, h, cap, d_h)
-            keys[:, :, at : at + 1].copy_(k[a:b])
-            values[:, :, at : at + 1].copy_(v[a:b])
-            start = starts[c]
-            keys, values = keys[:, :, start : at + 1], values[:, :, start : at + 1]
-            outs.append(step_attention(q[a:b], keys, values, self_masks[c]))  # (n, h, 1, d_h)
-        a = _joined(outs).to(x.dtype)  # (N, h, 1, d_h)
-        x = self._out(0, self.out(a.view(N, d)).add_(x))
+        x = self._out(0, self.mix(h, x, bounds, caches, ats, starts, self_masks))
         h = self._in(1, x)
         a = self._cross(self.cross_q(h), bounds, memory, src_masks).to(x.dtype)  # (N, d)
         x = self._out(1, self.cross_out(a).add_(x))

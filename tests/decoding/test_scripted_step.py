@@ -1,6 +1,7 @@
-"""decoding.scripted_step: an int8 Transformer's decoder layers as a TorchScript graph step as
-the lean step's Python form does, through joins at their own positions, rows that leave,
-cohorts stepped together and beams reordered at every step; other models keep the Python form."""
+"""decoding.scripted_step: an int8 Transformer's decoder layers (self-attention or SSRU) as a
+TorchScript graph step as the lean step's Python form does, through joins at their own
+positions, rows that leave, cohorts stepped together and beams reordered at every step; other
+models keep the Python form."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ VARIANTS = {
     "pre-norm": {},
     "post-norm, gelu": {"norm": "post", "activation": "gelu"},
     "swish, keys and values in bf16": {"activation": "swish", "cache_dtype": torch.bfloat16},
+    "ssru": {"decoder": "ssru"},
+    "ssru, post-norm": {"decoder": "ssru", "norm": "post"},
 }
 
 
@@ -84,8 +87,11 @@ def test_the_graph_steps_as_the_python_form(variant: str, monkeypatch: pytest.Mo
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
 
 
-def test_beam_search_by_the_graph_finds_the_same_hypotheses(monkeypatch: pytest.MonkeyPatch):
-    graphed = _int8()
+@pytest.mark.parametrize("variant", ["pre-norm", "ssru"])
+def test_beam_search_by_the_graph_finds_the_same_hypotheses(
+    variant: str, monkeypatch: pytest.MonkeyPatch
+):
+    graphed = _int8(**VARIANTS[variant])
     python = copy.deepcopy(graphed)
     python.lean_step.scripted = False
     calls = _counted(monkeypatch)
@@ -103,10 +109,10 @@ def test_beam_search_by_the_graph_finds_the_same_hypotheses(monkeypatch: pytest.
     "model",
     [
         lambda: for_decoding(tiny_model("transformer").eval(), "fp32"),  # fp32: no gain
-        lambda: _int8(decoder="ssru"),
+        lambda: for_decoding(tiny_model("transformer", decoder="ssru").eval(), "fp32"),
         lambda: _int8(positions="rope"),
     ],
-    ids=["fp32", "int8 ssru", "int8 rope"],
+    ids=["fp32", "fp32 ssru", "int8 rope"],
 )
 def test_models_the_graph_does_not_cover_keep_the_python_form(model, monkeypatch):
     model = model()
