@@ -70,6 +70,16 @@ def random_batch(seed: int = 0, B: int = 4) -> Batch:
     return collate(src, tgt, list(range(B)), PAD_ID, BOS_ID, EOS_ID)
 
 
+def keep_and_join(model, memory, state, prev: torch.Tensor, keep: torch.Tensor, batch: Batch):
+    """A running search's step between steps: rows `keep` stay (the others leave) and the
+    batch's sentences join at their own first position (BOS); -> memory, state, prev."""
+    memory, state = model.keep_rows(memory, state, keep)
+    joining = model.encode(batch.src, batch.src_pad_mask)
+    memory = model.join_memory(memory, joining)
+    state = model.join_state(state, model.init_state(joining))
+    return memory, state, torch.cat([prev[keep], torch.full((batch.src.size(0),), BOS_ID)])
+
+
 def stepwise_logits(model: Seq2Seq, batch: Batch, inputs: torch.Tensor) -> torch.Tensor:
     """Logits from feeding `inputs` (B, T) one position at a time through decode_step."""
     memory = model.encode(batch.src, batch.src_pad_mask)

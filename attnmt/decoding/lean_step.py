@@ -229,17 +229,17 @@ class LeanStep:
         x = model.tgt_embed(prev_tokens.unsqueeze(1), offset=offset)  # (N, 1, d)
         N, _, d = x.shape
         x = x.view(N, d)  # (N, d)
+        masks = [model._joined_mask(s) for s in states]  # (n, 1, 1, t+1) or None each
+        graph = self.graph() if _graph_applies(x, states) else None
+        if graph is not None:
+            x, caches = _run_graph(graph, x, memories, states, sizes, masks)
+            return self._logits(x, caches, states)
         ends = list(itertools.accumulate(sizes))
         rows = (
             [None]
             if len(sizes) == 1
             else [slice(e - n, e) for n, e in zip(sizes, ends, strict=True)]
         )
-        masks = [model._joined_mask(s) for s in states]  # (n, 1, 1, t+1) or None each
-        graph = self.graph() if _graph_applies(x, states) else None
-        if graph is not None:
-            x, caches = _run_graph(graph, x, memories, states, sizes, masks)
-            return self._logits(x, caches, states)
         caches: list[list] = [[] for _ in states]
         for i, (lean, layer) in enumerate(zip(self.layers, model.decoder_layers, strict=True)):
             parts = [
@@ -341,34 +341,29 @@ def _run_graph(
     """The decoder's layers by the graph: x (N, d) -> (N, d), and each cohort's caches grown
     by one position (room_for_next gives each the buffers that take it, as append_position),
     or an SSRU's c_t."""
+    bounds = [0, *itertools.accumulate(sizes)]  # cohort c: rows bounds[c]:bounds[c+1]
     layers = [_GraphLayer.of([s.caches[i] for s in states], states, sizes)
               for i in range(len(states[0].caches))]  # fmt: skip
     with torch.jit.optimized_execution(False):
         x = graph(
-            x, [0, *itertools.accumulate(sizes)],
-            [layer.buffers for layer in layers],
-            [layer.ats for layer in layers],
-            [layer.starts for layer in layers],
-            masks,
+            x, bounds, [layer.caches for layer in layers], masks,
             [[t for m in memories for t in m.cross[i]] for i in range(len(layers))],
             [m.src_mask for m in memories],
         )  # fmt: skip
     caches: list[list] = [[] for _ in states]
     for layer in layers:
-        for kept, cache in zip(caches, layer.grown(sizes), strict=True):
+        for kept, cache in zip(caches, layer.grown(bounds), strict=True):
             kept.append(cache)
     return x, caches
 
 
 @dataclass
 class _GraphLayer:
-    """What the graph reads and writes of one layer's caches (scripted_step._SelfAttention,
-    _Ssru): each cohort's Room and its next position, or all rows' c_{t-1} and c_t."""
+    """One layer's caches as the graph reads and writes them (scripted_step.LayerCaches), and
+    the Rooms they are of (None: an SSRU's)."""
 
     rooms: list[Room] | None
-    buffers: list[Tensor]
-    ats: list[int]
-    starts: list[int]
+    caches: scripted_step.LayerCaches
 
     @classmethod
     def of(
@@ -382,22 +377,28 @@ class _GraphLayer:
         recurrent = [c for c in cohorts if isinstance(c, RecurrentCache)]
         if recurrent:
             previous = _stacked([_in_order(c, r) for c, r in zip(recurrent, rows, strict=True)])
-            return cls(None, [previous, torch.empty_like(previous)], [], [])  # (N, d) each
+            return cls(
+                None, scripted_step.LayerCaches([previous, torch.empty_like(previous)], [], [])
+            )
         cached = [c for c in cohorts if isinstance(c, LayerCache)]
         rooms = [room_for_next(c, r, n) for c, r, n in zip(cached, rows, sizes, strict=True)]
         buffers = [b for r in rooms for b in (r.k, r.v)]
-        return cls(rooms, buffers, [r.filled for r in rooms], [r.start for r in rooms])
+        read = scripted_step.LayerCaches(
+            buffers, [r.filled for r in rooms], [r.start for r in rooms]
+        )
+        return cls(rooms, read)
 
-    def grown(self, sizes: list[int]) -> list[LayerCache | RecurrentCache]:
+    def grown(self, bounds: list[int]) -> list[LayerCache | RecurrentCache]:
         """Each cohort's cache after the step."""
         if self.rooms is None:  # c_t of all rows, a cohort's rows after another's
-            ends = list(itertools.accumulate(sizes))
-            return [
-                RecurrentCache(self.buffers[1][e - n : e]) for n, e in zip(sizes, ends, strict=True)
-            ]
+            c = self.caches.buffers[1]  # (N, d)
+            return [RecurrentCache(c[a:e]) for a, e in itertools.pairwise(bounds)]
         for room in self.rooms:
             room.filled += 1
-        return [room.cache(n) for room, n in zip(self.rooms, sizes, strict=True)]
+        return [
+            room.cache(e - a)
+            for room, (a, e) in zip(self.rooms, itertools.pairwise(bounds), strict=True)
+        ]
 
 
 def _self_attention(q: Tensor, k: Tensor, v: Tensor, parts: list[_Cohort]) -> Tensor:

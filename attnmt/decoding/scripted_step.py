@@ -22,11 +22,11 @@ they would specialise it to each step's shapes, which change every step. torch 2
 TorchScript deprecated; this project pins torch 2.13, where it is supported.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: TorchScript reads a NamedTuple's fields (LayerCaches)
+# from its annotations, which that import would leave as strings it cannot resolve.
 import warnings
 from dataclasses import dataclass
-from typing import List, Optional  # noqa: UP035 (TorchScript reads typing's names)
+from typing import List, NamedTuple, Optional  # noqa: UP035 (TorchScript reads typing's names)
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,18 @@ class LayerSpec:
     products: list[Int8Linear]
     heads: int
     ssru: bool = False
+
+
+class LayerCaches(NamedTuple):
+    """What a layer's self-attention or SSRU reads and writes of its caches at a step
+    (lean_step._GraphLayer makes it). Self-attention: each cohort's Room, its keys' and values'
+    buffers (C, h, capacity, d_h) one cohort after another, the position this step's k and v
+    go to (`ats`) and the first it holds (`starts`). An SSRU: c_{t−1} of all rows (N, d) and the
+    buffer (N, d) that takes c_t."""
+
+    buffers: List[Tensor]  # noqa: UP006
+    ats: List[int]  # noqa: UP006
+    starts: List[int]  # noqa: UP006
 
 
 class _Int8(nn.Module):
@@ -89,26 +101,23 @@ class _SelfAttention(nn.Module):
         h: Tensor,
         x: Tensor,
         bounds: List[int],  # noqa: UP006
-        caches: List[Tensor],  # noqa: UP006
-        ats: List[int],  # noqa: UP006
-        starts: List[int],  # noqa: UP006
+        caches: LayerCaches,
         self_masks: List[Optional[Tensor]],  # noqa: UP006, UP045
     ) -> Tensor:
-        """x + SelfAttention(h): h, x (N, d) -> (N, d). Cohort c: rows bounds[c]:bounds[c+1];
-        its Room's buffers caches[2c] (keys), caches[2c+1] (values), (C, h, capacity, d_h),
-        take this step's k and v at position ats[c] and hold its positions from starts[c]."""
+        """x + SelfAttention(h): h, x (N, d) -> (N, d); cohort c's rows bounds[c]:bounds[c+1]
+        over its cache (LayerCaches)."""
         N, d = x.size(0), x.size(1)
         h_ = self.heads
         d_h = d // h_
         qkv = self.qkv(h).view(N, 3, h_, 1, d_h)  # (N, 3, h, 1, d_h)
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]  # (N, h, 1, d_h) each
         outs: List[Tensor] = []  # noqa: UP006
-        for c in range(len(ats)):
-            a, b, at = bounds[c], bounds[c + 1], ats[c]
-            keys, values = caches[2 * c][: b - a], caches[2 * c + 1][: b - a]  # (n, h, cap, d_h)
+        buffers = caches.buffers
+        for c in range(len(caches.ats)):
+            a, b, at, start = bounds[c], bounds[c + 1], caches.ats[c], caches.starts[c]
+            keys, values = buffers[2 * c][: b - a], buffers[2 * c + 1][: b - a]  # (n, h, cap, d_h)
             keys[:, :, at : at + 1].copy_(k[a:b])
             values[:, :, at : at + 1].copy_(v[a:b])
-            start = starts[c]
             keys, values = keys[:, :, start : at + 1], values[:, :, start : at + 1]
             outs.append(step_attention(q[a:b], keys, values, self_masks[c]))  # (n, h, 1, d_h)
         a = _joined(outs).to(x.dtype)  # (N, h, 1, d_h)
@@ -128,17 +137,14 @@ class _Ssru(nn.Module):
         h: Tensor,
         x: Tensor,
         bounds: List[int],  # noqa: UP006
-        caches: List[Tensor],  # noqa: UP006
-        ats: List[int],  # noqa: UP006
-        starts: List[int],  # noqa: UP006
+        caches: LayerCaches,
         self_masks: List[Optional[Tensor]],  # noqa: UP006, UP045
     ) -> Tensor:
-        """h, x (N, d) -> (N, d); caches: c_{t−1} (N, d) of every row, and the buffer (N, d)
-        that takes c_t."""
+        """h, x (N, d) -> (N, d); c_t written into the buffer LayerCaches gives."""
         wx, gate = self.w(h).chunk(2, dim=1)  # (N, d) each: W h, W_f h + b_f
         f = torch.sigmoid(gate)
-        c = f * caches[0] + (1 - f) * wx  # c_t
-        caches[1].copy_(c)
+        c = f * caches.buffers[0] + (1 - f) * wx  # c_t
+        caches.buffers[1].copy_(c)
         return torch.relu(c).add_(x)
 
 
@@ -180,18 +186,15 @@ class _Layer(nn.Module):
         self,
         x: Tensor,
         bounds: List[int],  # noqa: UP006
-        caches: List[Tensor],  # noqa: UP006
-        ats: List[int],  # noqa: UP006
-        starts: List[int],  # noqa: UP006
+        caches: LayerCaches,
         self_masks: List[Optional[Tensor]],  # noqa: UP006, UP045
         memory: List[Tensor],  # noqa: UP006
         src_masks: List[Tensor],  # noqa: UP006
     ) -> Tensor:
-        """x (N, d) -> (N, d). Cohort c: rows bounds[c]:bounds[c+1]; caches, ats, starts,
-        self_masks as the self-attention or SSRU takes them (_SelfAttention, _Ssru); its
-        memory's keys and values memory[2c], memory[2c+1] (B, h, S, d_h)."""
+        """x (N, d) -> (N, d). Cohort c: rows bounds[c]:bounds[c+1]; its memory's keys and
+        values memory[2c], memory[2c+1] (B, h, S, d_h)."""
         h = self._in(0, x)
-        x = self._out(0, self.mix(h, x, bounds, caches, ats, starts, self_masks))
+        x = self._out(0, self.mix(h, x, bounds, caches, self_masks))
         h = self._in(1, x)
         a = self._cross(self.cross_q(h), bounds, memory, src_masks).to(x.dtype)  # (N, d)
         x = self._out(1, self.cross_out(a).add_(x))
@@ -236,16 +239,13 @@ class ScriptedLayers(nn.Module):
         self,
         x: Tensor,
         bounds: List[int],  # noqa: UP006
-        caches: List[List[Tensor]],  # noqa: UP006
-        ats: List[List[int]],  # noqa: UP006
-        starts: List[List[int]],  # noqa: UP006
+        caches: List[LayerCaches],  # noqa: UP006
         self_masks: List[Optional[Tensor]],  # noqa: UP006, UP045
         memory: List[List[Tensor]],  # noqa: UP006
         src_masks: List[Tensor],  # noqa: UP006
     ) -> Tensor:
         for i, layer in enumerate(self.layers):
-            x = layer(x, bounds, caches[i], ats[i], starts[i], self_masks, memory[i],
-                      src_masks)  # fmt: skip
+            x = layer(x, bounds, caches[i], self_masks, memory[i], src_masks)
         return x
 
 

@@ -16,7 +16,7 @@ from attnmt.decoding.greedy import greedy_search
 from attnmt.decoding.search import Beam, SearchOptions
 from attnmt.decoding.translate import for_decoding
 
-from helpers import random_batch, tiny_model
+from helpers import keep_and_join, random_batch, tiny_model
 
 VARIANTS = {
     "pre-norm": {},
@@ -63,12 +63,8 @@ def test_steps_equal_decode_steps_through_joins(variant: str):
             state, prev, out = model.init_state(memory), torch.full((4,), 2), []
             for step in range(5):
                 if step == 2:  # rows 1 and 3 leave, two newcomers join
-                    order = torch.tensor([0, 2])
-                    memory, state = model.keep_rows(memory, state, order)
-                    joining = model.encode(b.src, b.src_pad_mask)
-                    memory = model.join_memory(memory, joining)
-                    state = model.join_state(state, model.init_state(joining))
-                    prev = torch.cat([prev[order], torch.full((2,), 2)])
+                    keep = torch.tensor([0, 2])
+                    memory, state, prev = keep_and_join(model, memory, state, prev, keep, b)
                 logits, state, _ = model.decode_step(memory, state, prev)
                 out.append(logits)
                 prev = logits.argmax(1)

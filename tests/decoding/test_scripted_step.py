@@ -15,7 +15,7 @@ from attnmt.decoding.beam import beam_search
 from attnmt.decoding.search import Beam, SearchOptions
 from attnmt.decoding.translate import for_decoding
 
-from helpers import random_batch, tiny_model
+from helpers import keep_and_join, random_batch, tiny_model
 
 VARIANTS = {
     "pre-norm": {},
@@ -50,12 +50,8 @@ def _join_and_cohort_steps(model: torch.nn.Module) -> list[torch.Tensor]:
     other, other_state = None, None
     for step in range(5):
         if step == 2:
-            order = torch.tensor([0, 2])
-            memory, state = model.keep_rows(memory, state, order)
-            joining = model.encode(b.src, b.src_pad_mask)
-            memory = model.join_memory(memory, joining)
-            state = model.join_state(state, model.init_state(joining))
-            prev = torch.cat([prev[order], torch.full((2,), 2)])
+            keep = torch.tensor([0, 2])
+            memory, state, prev = keep_and_join(model, memory, state, prev, keep, b)
         if step == 3:  # a cohort of two sentences, two beams each
             other = model.encode(c.src, c.src_pad_mask)
             other_state = model.select_state(model.init_state(other), torch.tensor([0, 0, 1, 1]))
