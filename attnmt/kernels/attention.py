@@ -25,6 +25,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attnmt.kernels.ops import dropout_scale
 
+# From this many keys a row, a decoding step's attention on a CPU is faster as two batched
+# products than as sums of element-wise products (step_attention).
+PRODUCTS_FROM_KEYS = 16
+
 # The kernels torch may pick from on a GPU (module docstring): not cuDNN's.
 GPU_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -167,17 +171,21 @@ def step_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     mask: Optional[torch.Tensor],  # noqa: UP045
+    products_from_keys: int = PRODUCTS_FROM_KEYS,  # an argument: TorchScript reads no globals
 ) -> torch.Tensor:
     """A decoding step's attention, softmax(q kᵀ / √d + mask) v, in the dtype k and v are kept
     in (a decoder's cache_dtype); TorchScript compiles it too (decoding.scripted_step).
 
     q (B, h, G, d_h): G queries a row (beam search's cross-attention: a sentence's beams);
     k, v (B, h, T, d_h); mask additive, (B|1, 1, 1, T), or None. On a CPU in fp32, one query a
-    row as sums of element-wise products, s_t = Σ_i q_i k_ti / √d and o = Σ_t softmax(s)_t v_t,
-    each read of the keys and values one pass over memory; several as two batched products,
-    the softmax between. torch's fused kernel, sized for long queries, makes a product per row
-    and head (whole runs, 1 thread, 500 sentences: greedy attention 0.28 → 0.18 s fp32, 0.25 →
-    0.16 s int8; beam 5 0.50 → 0.46 s fp32, 0.45 → 0.43 s int8; docs/benchmarks.md).
+    row over fewer than `products_from_keys` keys as sums of element-wise products,
+    s_t = Σ_i q_i k_ti / √d and o = Σ_t softmax(s)_t v_t, each read of the keys and values one
+    pass over memory; more keys, or several queries, as two batched products, the softmax
+    between. torch's fused kernel, sized for long queries, makes a product per row and head
+    (whole runs, 1 thread, 500 sentences: greedy attention 0.28 → 0.18 s fp32, 0.25 → 0.16 s
+    int8; beam 5 0.50 → 0.46 s fp32, 0.45 → 0.43 s int8). From 16 keys the batched products
+    win (64 rows, 4 heads of 64, 1 thread, Zen 4: 15 keys 133 µs by sums against 146, 16 keys
+    139 against 85, 40 keys 323 against 162; docs/benchmarks.md).
     """
     if q.dtype != k.dtype:  # models.attention.in_keys_dtype
         q = q.to(k.dtype)
@@ -185,7 +193,7 @@ def step_attention(
             mask = mask.to(k.dtype)
     if q.is_cuda or q.dtype != torch.float32:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    if q.size(2) == 1:
+    if q.size(2) == 1 and k.size(2) < products_from_keys:
         scores = torch.mul(q, k).sum(-1, keepdim=True).mul_(q.size(-1) ** -0.5)  # (B, h, T, 1)
         if mask is not None:
             scores = scores.add_(mask.transpose(-1, -2))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attnmt.kernels import fused_attention
-from attnmt.kernels.attention import step_attention
+from attnmt.kernels.attention import PRODUCTS_FROM_KEYS, step_attention
 from attnmt.models.attention import additive_mask, causal_mask, scaled_dot_product
 
 
@@ -77,11 +77,12 @@ def test_headwise_attention_under_bf16_autocast_matches_the_plain_equations():
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
-@pytest.mark.parametrize("queries", [1, 3])  # one query a row (sums), several (products)
+@pytest.mark.parametrize("queries", [1, 3])  # one query a row (sums, or products), several
+@pytest.mark.parametrize("T", [6, PRODUCTS_FROM_KEYS])  # one query: sums, then products
 @pytest.mark.parametrize("keys_dtype", [torch.float32, torch.bfloat16])
-def test_step_attention_equals_the_plain_equations(queries: int, keys_dtype: torch.dtype):
+def test_step_attention_equals_the_plain_equations(queries: int, T: int, keys_dtype: torch.dtype):
     torch.manual_seed(1)
-    B, h, T, d = 3, 4, 6, 8
+    B, h, d = 3, 4, 8
     q = torch.randn(B, h, queries, d)
     k, v = (torch.randn(B, h, T, d).to(keys_dtype) for _ in range(2))
     pad = torch.zeros(B, T, dtype=torch.bool)
