@@ -20,8 +20,8 @@ decode: translates Multi30k test_2016_flickr (1,000 sentences, from --data, defa
 data/multi30k) with each model and beam size, the way ../shared/peers measures JoeyNMT and
 OpenNMT-py: batches of 64 sentences, at most 60 output pieces, GNMT length penalty 1.0 (or
 --length-norm length: length^1, CTranslate2's default, for `export`), 2 threads, model
-loading excluded. Prints one JSON line per (model, beam, workers) with the
-median over --runs runs of sentences/s and output pieces/s (EOS excluded), the mean output
+loading excluded. Prints one JSON line per (model, beam, workers) with the median over --runs
+runs (after one untimed run) of sentences/s and output pieces/s (EOS excluded), the mean output
 length, and BLEU/chrF with sacreBLEU signatures. --workers 2 searches two batches at once, each
 in its own forked process on one of the 2 threads (`attnmt translate --workers`); --precision
 bf16, fp16 or int8 decodes in that format (`attnmt translate --precision`), and the row gives
@@ -120,11 +120,12 @@ def decode_models(args: argparse.Namespace, backend: str) -> None:
                 fp32, unlisted = None, None
                 if plain is not None:
                     fp32 = search_lines(plain, tokenizer, src, options, **batches)
-                else:  # a first pass: CUDA's lazy start-up and kernel choices are not timed
-                    search_lines(model, tokenizer, src[:batch_sentences], options, **batches)
                 if shortlist == "on":
                     unlisted = search_lines(model, tokenizer, src, options, **batches)
                     batches["shortlist"] = short
+                # One untimed pass of what is timed, as `export` gives CTranslate2: the workers
+                # forked, int8's graph made and profiled, CUDA's lazy start-up.
+                search_lines(model, tokenizer, src, options, workers=workers, **batches)
                 times, result, chosen = [], None, []
                 for _ in range(args.runs):
                     chosen.append(fit.apply())
