@@ -102,6 +102,42 @@ def limit_onednn_kernel_cache(device: torch.device, precision: str, backend: str
             os.environ.setdefault(name, str(ONEDNN_CACHE_CAPACITY))
 
 
+def strict_blas_branch(capability: str, vendor: str) -> str | None:
+    """The MKL code branch whose strict reproducibility mode fits this CPU (torch's
+    get_cpu_capability(), /proc/cpuinfo's vendor_id): AVX-512 on Intel CPUs that have it,
+    AVX2 on other x86 CPUs with AVX2 (MKL runs its AVX2 kernels on AMD CPUs anyway), None
+    where the mode does not exist (older x86 CPUs, ARM: no MKL)."""
+    if capability.startswith("AVX512") and vendor == "GenuineIntel":
+        return "AVX512"
+    return "AVX2" if capability.startswith(("AVX2", "AVX512")) else None
+
+
+def reproducible_blas() -> bool:
+    """Put MKL in its strict conditional-numerical-reproducibility mode (MKL_CBWR=<branch>,
+    STRICT) unless the environment already chose a mode; returns whether a strict mode is on.
+
+    Why: in it MKL's gemm sums in an order that does not depend on the thread count (oneMKL
+    developer guide, "Reproducibility Conditions"), which training needs to change its threads
+    with the machine's load and still resume byte-identically (kernels.fixed_order does the
+    same for torch's own sums). MKL reads the variable once, at its first call: training sets
+    it before its first matmul; a process that multiplied before keeps the mode it started in.
+    """
+    chosen = os.environ.get("MKL_CBWR")
+    if chosen is None:
+        try:
+            info = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            info = ""
+        vendor = next(
+            (v.split(":")[1].strip() for v in info.splitlines() if v.startswith("vendor_id")), ""
+        )
+        branch = strict_blas_branch(torch.backends.cpu.get_cpu_capability(), vendor)
+        if branch is None:
+            return False
+        chosen = os.environ["MKL_CBWR"] = f"{branch},STRICT"
+    return chosen.upper().replace(" ", "").endswith(",STRICT")
+
+
 def memory_bytes(device: torch.device) -> int:
     """The device's memory: a GPU's total, or the machine's RAM."""
     if device.type == "cuda":

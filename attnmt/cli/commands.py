@@ -576,7 +576,8 @@ def distill_command(
         "--src", "-s", help="Source side of the training corpus (plain or .gz).")],
     output: Annotated[Path, typer.Option(
         "--output", "-o", help="The teacher's translations, one per source line.")],
-    beam: Annotated[int, typer.Option("--beam", "-b", min=1, max=100, help="Beam size.")] = 5,
+    beam: Annotated[int | None, typer.Option(
+        "--beam", "-b", min=1, max=100, help="Beam size (default 5; not with --sampling).")] = None,
     chunk_lines: Annotated[int, typer.Option(
         "--chunk-lines", min=1, help="Lines translated, then saved, at a time.")] = 2048,
     force: Annotated[bool, typer.Option(

@@ -21,11 +21,14 @@ gain").
                                  or choosing scheduled sampling's inputs as it runs
     bigru_recurrence             the rnn encoder's one-layer bidirectional GRU
     argmax_rows, topk_rows       search's choice of tokens, vectorised on CPU
+    LayerNorm, softmax,          sums in an order the thread count does not change: a
+    clip_grad_norm               training step computes the same bits on 1 thread as on 2
 
 Imports only the ground floor (device): the models call it, it calls no model.
 """
 
 from attnmt.kernels.attention import fused_attention
+from attnmt.kernels.fixed_order import LayerNorm, clip_grad_norm, softmax
 from attnmt.kernels.int8 import pack_for_many_rows, quantize_int8
 from attnmt.kernels.matmul import Linear, matmul_backend
 from attnmt.kernels.ops import (
@@ -46,10 +49,12 @@ from attnmt.kernels.topk import argmax_rows, topk_rows
 
 __all__ = [
     "Dropout",
+    "LayerNorm",
     "Linear",
     "ScheduledSampling",
     "argmax_rows",
     "bigru_recurrence",
+    "clip_grad_norm",
     "dropout",
     "dropout_add",
     "feed_forward",
@@ -61,5 +66,6 @@ __all__ = [
     "pack_for_many_rows",
     "plain_recurrences",
     "quantize_int8",
+    "softmax",
     "topk_rows",
 ]

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from attnmt.kernels.fixed_order import softmax_backward
 from attnmt.kernels.ops import dropout_scale
 
 # From this many keys a row, a decoding step's attention on a CPU is faster as two batched
@@ -152,7 +153,7 @@ class _HeadwiseAttention(torch.autograd.Function):
             torch.bmm(g, v[:, i].transpose(1, 2), out=grad_w[i])  # ∂w̃ (B, T_q, T_k)
             torch.bmm(dropped[i].transpose(1, 2), g, out=grad_v[i])  # (B, T_k, d_v)
         grad_w = grad_w.float().mul_(keep)  # fp32 from here (no copy in fp32)
-        grad_s = torch._softmax_backward_data(grad_w, weights, -1, weights.dtype)
+        grad_s = softmax_backward(grad_w, weights)  # not torch's: the same on any threads
         grad_s = grad_s.mul_(scale).to(q.dtype)  # (h, B, T_q, T_k)
         grad_q = q.new_empty(h, B, T_q, d)
         grad_k = k.new_empty(h, B, T_k, d)

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from attnmt.kernels import Linear, dropout, fused_attention
+from attnmt.kernels import Linear, dropout, fused_attention, softmax
 
 
 def masked_softmax(scores: torch.Tensor, pad_mask: torch.Tensor | None) -> torch.Tensor:
@@ -25,7 +25,7 @@ def masked_softmax(scores: torch.Tensor, pad_mask: torch.Tensor | None) -> torch
     """
     if pad_mask is not None:
         scores = scores.masked_fill(pad_mask, float("-inf"))
-    return torch.softmax(scores, dim=-1)
+    return softmax(scores)  # over the last axis
 
 
 class SourceAttention(nn.Module):
@@ -174,7 +174,7 @@ def scaled_dot_product(
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, h, T_q, T_k)
     if mask is not None:
         scores = scores + mask
-    weights = torch.softmax(scores, dim=-1)  # (B, h, T_q, T_k)
+    weights = softmax(scores)  # (B, h, T_q, T_k)
     weights = dropout(weights, dropout_p, True)
     return weights @ v, weights  # (B, h, T_q, d_v)
 

@@ -19,7 +19,14 @@ from torch import nn
 from attnmt.config import ModelConfig
 from attnmt.data.batches import Batch
 from attnmt.data.tokenizer import PAD_ID
-from attnmt.kernels import Dropout, Linear, dropout_add, feed_forward, linear_cross_entropy
+from attnmt.kernels import (
+    Dropout,
+    LayerNorm,
+    Linear,
+    dropout_add,
+    feed_forward,
+    linear_cross_entropy,
+)
 from attnmt.models.attention import MultiHeadAttention, additive_mask, rotary
 from attnmt.models.decoding_state import (
     ROOM,
@@ -135,7 +142,7 @@ class Residual(nn.Module):
 
     def __init__(self, d_model: int, dropout: float, pre_norm: bool) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(d_model)
+        self.norm = LayerNorm(d_model)
         self.p = dropout
         self.pre_norm = pre_norm
 
@@ -296,8 +303,8 @@ class TransformerSeq2Seq(Seq2Seq):
         self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.enc_layers))
         self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.dec_layers))
         # Pre-norm stacks end with a LayerNorm: the residual stream itself is never normalised.
-        self.enc_norm = nn.LayerNorm(d) if self.pre_norm else nn.Identity()
-        self.dec_norm = nn.LayerNorm(d) if self.pre_norm else nn.Identity()
+        self.enc_norm = LayerNorm(d) if self.pre_norm else nn.Identity()
+        self.dec_norm = LayerNorm(d) if self.pre_norm else nn.Identity()
         self.output = Linear(d, tgt_vocab, bias=cfg.output_bias)
         self._init_weights(d)
         if cfg.tie_embeddings:

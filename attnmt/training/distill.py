@@ -59,6 +59,10 @@ def progress_path(output: Path) -> Path:
     return output.with_name(output.name + ".distill.json")
 
 
+# The teacher's beam where none is given (Kim & Rush 2016 distil with beam search).
+DEFAULT_BEAM = 5
+
+
 def lock_path(output: Path) -> Path:
     return output.with_name(output.name + ".distill.lock")
 
@@ -69,7 +73,7 @@ def distill(
     weights: str,
     src: Path,
     output: Path,
-    beam: int = 5,
+    beam: int | None = None,
     target_lang: str | None = None,
     chunk_lines: int = CHUNK_LINES,
     force: bool = False,
@@ -80,7 +84,10 @@ def distill(
     line per source line, continuing an interrupted run of the same job (see the module).
     `sampling`: (temperature, top_k, seed) to draw each translation instead of a beam search
     (back-translation: Edunov et al. 2018); the draws follow the lines' places, so a resumed
-    run draws what an uninterrupted one does."""
+    run draws what an uninterrupted one does; a beam with it is refused, as translate does.
+    The beam: DEFAULT_BEAM unless given."""
+    translator.options(beam=beam, sampling=sampling)  # a beam with sampling: one line
+    beam = DEFAULT_BEAM if beam is None else beam  # (a sampling job records it too: resumable)
     check_input(src)
     if not src.is_file():
         raise DataError(f"--src {src}: a regular file is needed to resume (not a pipe)")

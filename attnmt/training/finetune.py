@@ -1,8 +1,9 @@
 """Fine-tuning (train.init_from): a new run that starts from a trained model directory.
 
 The new run takes the source directory's architecture (the model section) and tokenizer, and
-its best weights; the data, optimizer, schedules and step count are the new config's. Keys the
-new config sets itself must agree with the source (dropout may differ: it changes no weight).
+its best weights (a model trained with LoRA adapters: with them merged); the data, optimizer,
+schedules and step count are the new config's. Keys the new config sets itself must agree with
+the source (dropout and subword sampling may differ: they change no weight).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from attnmt.models.directory import read_run_files
 
 # Model keys a fine-tuning run may change: they shape no weight.
 FREE_MODEL_KEYS = ("dropout", "attention_dropout")
+# Tokenizer keys it may change: subword sampling draws segmentations from the same
+# SentencePiece model while training (the model translates with its best segmentation).
+FREE_TOKENIZER_KEYS = ("sampling",)
 
 
 def inherit(cfg: Config) -> Config:
@@ -27,8 +31,16 @@ def inherit(cfg: Config) -> Config:
     source_dir = cfg.train.init_from
     assert source_dir is not None
     source, _ = read_run_files(source_dir)
+    if source.train.adapters is not None and cfg.train.adapters is not None:
+        raise ConfigError(
+            f"train.adapters: train.init_from's model ({source_dir}) was trained with adapters;"
+            " fine-tune it without train.adapters (its adapters are merged into the weights"
+            " first), or adapt the model it adapted"
+        )
     model = _agree(cfg.model, source.model, "model", source_dir, FREE_MODEL_KEYS)
-    tokenizer = _agree(cfg.tokenizer, source.tokenizer, "tokenizer", source_dir, ())
+    tokenizer = _agree(
+        cfg.tokenizer, source.tokenizer, "tokenizer", source_dir, FREE_TOKENIZER_KEYS
+    )
     return cfg.model_copy(update={"model": model, "tokenizer": tokenizer})
 
 

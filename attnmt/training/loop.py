@@ -31,7 +31,7 @@ from attnmt.training import distributed
 from attnmt.training.checkpoints import discard_run, prepare_output_dir
 from attnmt.training.finetune import inherit
 from attnmt.training.runlog import METRIC_NAMES, ProgressBar, RunLog, ThroughputMeter
-from attnmt.training.setup import Run, setup
+from attnmt.training.setup import Run, fit_threads, setup
 from attnmt.training.step import (
     BUDGET_PROBE_STEPS,
     QUIET_S,
@@ -114,7 +114,11 @@ def train_loop(run: Run) -> dict[str, Any]:
     t, p, ranks = run.cfg.train, run.progress, run.ranks
     meter = ThroughputMeter()
     bar = ProgressBar(t.max_steps, p.step, enabled=not run.log.quiet and ranks.is_main)
-    stop_reason = "max_steps" if p.step >= t.max_steps else None
+    stop_reason = None
+    if p.step >= t.max_steps:
+        stop_reason = "max_steps"
+    elif p.step > 0 and p.bad_validations >= t.patience:  # resumed where patience ran out
+        stop_reason = "early_stopping"
     with StopSignals() as signals, mask_threads(torch.get_num_threads()):
         while stop_reason is None and p.epoch <= t.max_epochs:
             batches = run.sampler.epoch(p.epoch)
@@ -126,6 +130,7 @@ def train_loop(run: Run) -> dict[str, Any]:
                 p.batch_in_epoch += per_step
                 following = step_idxs(batches, p.batch_in_epoch, ranks, t.accumulate)
                 result = train_step(run, idxs, signals.signum is not None, following)
+                fit_threads(run.threads, run.log, p.step)
                 if not result.updated:
                     skip_step(run, result)
                 else:

@@ -26,6 +26,7 @@ from attnmt.device import (
     limit_onednn_kernel_cache,
     memory_bytes,
     missing_hardware,
+    reproducible_blas,
     resolve_precision,
 )
 from attnmt.errors import CheckpointError, ConfigError
@@ -34,6 +35,7 @@ from attnmt.models.build import build_model
 from attnmt.models.directory import (
     LAST_FILE,
     load_base,
+    load_model_dir,
     load_weights,
     read_run_files,
     resolve_weights,
@@ -50,6 +52,10 @@ from attnmt.training.prepare import DevSet, prepare_data
 from attnmt.training.resume import Progress, seed_everything, set_rng_state
 from attnmt.training.runlog import RunLog, log_corpora
 from attnmt.training.scoring import score_dev_sets
+
+# How often a CPU run chooses its threads again: a CPU that other processes let go of is used
+# within about two of these, one they take is given back as soon.
+THREADS_EVERY_S = 30.0
 
 
 @dataclass
@@ -76,6 +82,7 @@ class Run:
     tokenizer_digest: str | None = None  # what weights files record (checkpoint.tokenizer_digest)
     prefetch: Prefetcher | None = None  # makes each step's batches on the host (setup sets it)
     resegment: Resegmenter | None = None  # tokenizer.sampling: segmentations drawn per epoch
+    threads: ThreadFit | None = None  # the CPU threads, chosen as the load changes (fit_threads)
 
     def elapsed(self) -> float:
         """Training seconds, over every resumption of the run."""
@@ -109,16 +116,12 @@ def setup(
     """Seed, read the data, train or load the tokenizer, build the model and its optimizer,
     and restore the last checkpoint when resuming."""
     t = cfg.train
-    # Chosen once, after the data is read (the reading spans it): the step's numbers do not
-    # change with the machine's load half-way through a run.
-    threads = ThreadFit(t.threads or None, torch.get_num_threads(), every_s=None)
+    threads = training_threads(t.threads, device)
     tf_generator = seed_everything(t.seed)
     start_time = time.time()
     checkpoint = latest_checkpoint(out) if resume else None
     tokenizer, train_data, dev_sets = prepare_data(cfg, out, ranks, checkpoint is not None, log)
-    if (device.type == "cpu" or t.threads) and threads.apply() < threads.most and not t.threads:
-        line = f"other processes hold CPUs: training on {threads.threads} of {threads.most} threads"
-        log.event("threads", line + " (train.threads fixes it)", threads=threads.threads)
+    fit_threads(threads, log, step=0)
     model = build_checked_model(cfg, tokenizer, device)
     digest = tokenizer_digest(tokenizer_shas(tokenizer))
     adapt(model, cfg, out, device, digest)
@@ -150,6 +153,7 @@ def setup(
         precision,
         sampler, tf_generator, Progress(), start_time,
     )  # fmt: skip
+    run.threads = threads
     run.tokenizer_digest = digest
     run.resegment = Resegmenter.of(cfg, tokenizer)
     if checkpoint is not None:
@@ -178,6 +182,35 @@ def setup(
     if resume and checkpoint is None:
         log.event("resume", "--resume: no checkpoint in this directory yet; starting at step 0")
     return run
+
+
+def training_threads(fixed: int, device: torch.device) -> ThreadFit | None:
+    """The CPU threads of a run (train.threads, or 0: chosen), None on a GPU. Chosen again
+    every THREADS_EVERY_S where a step's numbers do not depend on the thread count (MKL's
+    strict mode, kernels.fixed_order), else once (docs/reliability.md). Called before the
+    run's first matmul: MKL reads its mode once."""
+    same_on_any_threads = reproducible_blas()
+    if device.type != "cpu" and not fixed:
+        return None
+    every_s = THREADS_EVERY_S if same_on_any_threads else None
+    return ThreadFit(fixed or None, torch.get_num_threads(), every_s=every_s)
+
+
+def fit_threads(threads: ThreadFit | None, log: RunLog, step: int) -> None:
+    """Choose the CPU threads (train.threads, or those other processes leave free) when due;
+    a count below the CPUs at the start, and every change after, is a line in the log and a
+    `threads` event."""
+    if threads is None:
+        return
+    before = threads.threads
+    now = threads.apply()
+    if now == before or threads.fixed or (not before and now == threads.most):
+        return
+    if now < threads.most:
+        line = f"other processes hold CPUs: training on {now} of {threads.most} threads"
+    else:
+        line = f"CPUs let go by other processes: training on {now} of {threads.most} threads"
+    log.event("threads", f"{line} (train.threads fixes the count)", threads=now, step=step)
 
 
 def adapt(model: Seq2Seq, cfg: Config, out: Path, device: torch.device, digest: str) -> None:
@@ -215,7 +248,11 @@ def start_from(run: Run, source_dir: Path) -> None:
     """Fine-tuning: load the source model's best weights; log them with their dev scores (the
     step-0 point of the curves: what fine-tuning starts from)."""
     weights = resolve_weights(source_dir, "best")
-    if not has_adapters(run.model):  # with adapters, setup loaded it under them
+    if read_run_files(source_dir)[0].train.adapters is not None:
+        # Its weights files hold its adapters: the model they compute, merged, is the start.
+        merged = load_model_dir(source_dir, "best", run.device)[2]
+        run.model.load_state_dict(merged.state_dict())
+    elif not has_adapters(run.model):  # with adapters, setup loaded it under them
         load_weights(run.model, weights, run.device, run.tokenizer_digest)
     dev = score_dev_sets(run.model, run.tokenizer, run.dev_sets, run.cfg, run.device)
     run.log.event(

@@ -12,6 +12,7 @@ from typing import Any, cast
 import torch
 
 from attnmt.errors import TrainingError
+from attnmt.kernels import clip_grad_norm
 from attnmt.training import distributed
 from attnmt.training.runlog import StepResult, Throughput
 from attnmt.training.schedules import budget_warmup, step_schedules
@@ -81,7 +82,7 @@ def train_step(
             run.scaler.scale(loss).backward()
         total = total + loss_sum.detach()
     run.scaler.unscale_(run.optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(
+    grad_norm = clip_grad_norm(  # in a fixed order: the same on any number of threads
         run.model.parameters(), t.clip_grad_norm if t.clip_grad_norm > 0 else math.inf
     )
     if run.prefetch:  # the host makes the next batches while it waits for the device below

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from attnmt.config import from_dict
+from attnmt.data.tokenizer import PAD_ID
 from attnmt.decoding import greedy
 from attnmt.decoding.beam import LOOKAHEAD, BeamPool, beam_search
 from attnmt.decoding.greedy import greedy_search
@@ -189,7 +190,12 @@ def reference_beam(
         cands = []
         for tokens, score in live:
             logp = uncached_next_logprobs(model, src, pad, tokens)
-            cands += [(score + float(lp), tokens, v) for v, lp in enumerate(logp)]
+            # Padding and the start token are never an output (search.never_output).
+            cands += [
+                (score + float(lp), tokens, v)
+                for v, lp in enumerate(logp)
+                if v not in (PAD_ID, model.bos_id)
+            ]
         cands.sort(key=lambda c: -c[0])
         cands = cands[: 2 * K]
         for score, tokens, v in cands[:K]:

@@ -17,7 +17,10 @@ from attnmt.training.loop import train
 
 from conftest import make_pairs, tiny_config
 
-LINES = make_pairs(40, 21)[0]
+# 200 lines: on 40, one line's near-tie moved the agreement by 2.5 points (a change of the
+# training's summation order alone took one model from 39/40 to 35/40; on these 200 lines
+# 93.5 % and 95 %).
+LINES = make_pairs(200, 21)[0]
 
 
 @pytest.fixture(scope="module")

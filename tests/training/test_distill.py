@@ -93,3 +93,16 @@ def test_distill_refuses_to_continue_with_other_settings(trained, source, tmp_pa
     assert r.code == 2 and "an interrupted distillation with other settings (beam" in r.stderr
     r = run_cli(*_distill(model, tmp_path / "missing.txt", out)[3:])
     assert r.code == 2 and "file not found" in r.stderr
+
+
+def test_4_distill_refuses_a_beam_with_sampling_in_one_line(trained, source, tmp_path, run_cli):
+    """Issue 77, item 4: `distill --sampling --beam 3` used to sample and ignore the beam."""
+    model, _ = trained
+    out = tmp_path / "bt.txt"
+    r = run_cli(*_distill(model, source, out, "--sampling")[3:])  # _distill gives --beam 2
+    assert r.code == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "sampling draws instead of searching: drop the beam (--beam)" in r.stderr
+    assert not out.exists()
+    args = [a for a in _distill(model, source, out, "--sampling")[3:] if a not in ("--beam", "2")]
+    assert run_cli(*args).code == 0  # without --beam it samples
+    assert len(out.read_text(encoding="utf-8").splitlines()) == len(SOURCE)

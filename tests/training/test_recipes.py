@@ -220,3 +220,42 @@ def test_adapters_need_init_from(corpus):
     raw["train"]["adapters"] = {"rank": 4}
     with pytest.raises(ConfigError, match=r"train\.init_from"):
         from_dict(raw)
+
+
+def test_3_init_from_a_lora_model_fine_tunes_its_merged_weights(tmp_path: Path, corpus, base):
+    """Issue 77, item 3: `train --init-from` a model trained with adapters refused its own
+    weights ("does not fit the model in config.yaml"); it starts from them merged."""
+    train(from_dict(adapter_config(corpus, base, steps=4)), tmp_path / "lora", quiet=True)
+    raw = tiny_config(corpus)
+    raw["train"].update(init_from=str(tmp_path / "lora"), max_steps=2, eval_every=2)
+    train(from_dict(raw), tmp_path / "tuned", quiet=True)
+
+    def losses(run: Path, kind: str) -> list[float]:
+        lines = (tmp_path / run / "train_log.jsonl").read_text().splitlines()
+        return [e["dev_loss"] for e in map(json.loads, lines) if e["event"] == kind]
+
+    # It starts where the adapted model ended (its dev loss, merged: equal up to rounding),
+    # not where the base did.
+    start = losses(Path("tuned"), "init_from")[0]
+    assert start == pytest.approx(losses(Path("lora"), "validation")[-1], rel=1e-4)
+    assert start != pytest.approx(losses(base, "validation")[-1], rel=1e-4)
+    stored, _, _ = read_tensors(tmp_path / "tuned" / "best.safetensors")
+    assert not any(name.endswith(("lora_a", "lora_b")) for name in stored)  # a whole model
+    assert len(Translator.load(tmp_path / "tuned", device="cpu").translate(["w1 w2"])) == 1
+    # New adapters on adapters: refused in one line, saying what to do instead.
+    with pytest.raises(ConfigError, match=r"fine-tune it without train\.adapters"):
+        train(from_dict(adapter_config(corpus, tmp_path / "lora")), tmp_path / "x", quiet=True)
+
+
+def test_5_init_from_with_subword_sampling_trains(tmp_path: Path, corpus, base):
+    """Issue 77, item 5: sampling draws segmentations from the same SentencePiece model while
+    training; a fine-tuning run may turn it on (it was refused as "a new tokenizer")."""
+    raw = tiny_config(corpus)
+    raw["tokenizer"]["sampling"] = {"alpha": 0.2, "nbest": 8}
+    raw["train"].update(init_from=str(base), max_steps=4, eval_every=4)
+    summary = train(from_dict(raw), tmp_path / "tuned", quiet=True)
+    assert summary["steps"] == 4
+    assert (tmp_path / "tuned" / "spm.model").read_bytes() == (base / "spm.model").read_bytes()
+    raw["tokenizer"]["vocab_size"] = 41  # another tokenizer is still refused
+    with pytest.raises(ConfigError, match="keeps its source's tokenizer"):
+        train(from_dict(raw), tmp_path / "other", quiet=True)

@@ -613,3 +613,17 @@ def test_a_time_budget_holds_with_its_last_validation(tmp_path: Path, corpus):
     done = next(e for e in events(tmp_path / "m") if e["event"] == "done")
     assert done["trained_s"] <= 6.0 * 1.25, done  # a step or two over at most
     assert summary["stop_reason"] == "time_budget"
+
+
+def test_a_run_resumed_where_patience_ran_out_stops_at_once(tmp_path: Path, corpus):
+    """kill -9 after the checkpoint of the validation that ran out of patience, before the
+    process ended: --resume used to train on (one more step and validation) where the
+    uninterrupted run had stopped."""
+    raw = config(corpus, max_steps=1000, eval_every=2, patience=1, early_stopping="loss")
+    raw["train"]["lr"] = 0.3  # diverges: the second validation is worse
+    summary = train(from_dict(raw), tmp_path / "m", quiet=True)
+    assert summary["stop_reason"] == "early_stopping", summary
+    last = (tmp_path / "m" / "last.safetensors").read_bytes()
+    again = train(from_dict(raw), tmp_path / "m", resume=True, quiet=True)
+    assert (again["steps"], again["stop_reason"]) == (summary["steps"], "early_stopping")
+    assert (tmp_path / "m" / "last.safetensors").read_bytes() == last
