@@ -182,13 +182,38 @@ class CpuShare:
             busy += sum(values) - values[3] - values[4]
         t = os.times()  # with the children it has waited for (forked search workers)
         own = t.user + t.system + t.children_user + t.children_system
-        return cls(cpus, time.monotonic(), busy / ticks, own)
+        return cls(cpus, time.monotonic(), busy / ticks, own + _live_children_s(ticks))
 
     def free_since(self, earlier: CpuShare) -> float:
         """How many CPUs other processes left free between `earlier` and this reading."""
         span = self.wall - earlier.wall
         others = (self.busy - earlier.busy) - (self.own - earlier.own)
         return len(self.cpus) - max(0.0, others / span) if span > 0 else float(len(self.cpus))
+
+
+def _live_children_s(ticks: int) -> float:
+    """CPU seconds of this process's children that run or have not been waited for yet (a
+    server's forked workers, a store's encoders), theirs and their own waited-for children's:
+    os.times() counts a child only once it is reaped, and until then its work looked like
+    another process's load. Linux's /proc/PID/task/TID/children; 0 where it is missing."""
+    total = 0
+    try:
+        tasks = list(Path("/proc/self/task").iterdir())
+    except OSError:
+        return 0.0
+    for task in tasks:
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for pid in children:
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue  # ended (and reaped) since: os.times() has it
+            fields = stat.rsplit(")", 1)[1].split()  # after the command's name
+            total += sum(int(v) for v in fields[11:15])  # utime stime cutime cstime
+    return total / ticks
 
 
 def threads_for(free: float, most: int) -> int:

@@ -76,3 +76,22 @@ def test_a_translator_searches_on_the_threads_it_was_given(trained):
 def test_the_cli_takes_threads(trained, tmp_path, run_cli):
     r = run_cli("translate", "-m", str(trained[0]), "--threads", "1", stdin=b"w1 w2\n")
     assert r.code == 0 and len(r.stdout.splitlines()) == 1, r.stderr
+
+
+@TWO_CPUS
+def test_our_own_children_are_not_other_processes_load():
+    """Issue 77 (also seen): a forked child that runs (not yet waited for) counted as another
+    process's load, and its parent gave its CPU away."""
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        before = CpuShare.now()
+        time.sleep(1.0)
+        after = CpuShare.now()
+        assert before is not None and after is not None
+        # The child held a CPU for the whole second: ours, so (nearly) every CPU is free.
+        assert after.free_since(before) > len(after.cpus) - 0.4
+        assert after.own - before.own > 0.8
+    finally:
+        child.kill()
+        child.wait()

@@ -177,6 +177,11 @@ def check_export_path(model_dir: Path, out: Path, force: bool) -> None:
         )
     if out.exists() and not out.is_dir():
         raise AttnmtError(f"{out}: exists and is not a directory")
+    if out.is_symlink():  # --force would make the whole export, then fail to replace a link
+        raise AttnmtError(
+            f"{out}: is a symbolic link; export to the directory it names, "
+            f"{os.path.realpath(out)}, or to a new path"
+        )
     if out.exists() and not force:
         raise AttnmtError(f"{out} exists; pass --force to replace it")
     if any(p.exists() and not p.is_dir() for p in target.parents):

@@ -43,6 +43,9 @@ class Translation:
     attention: torch.Tensor | None  # (len(tgt_pieces), len(src_pieces)) when asked for
     unmet: int = 0  # constrained search: the constraints it lacks (the length limit came first)
     terms: list[Term] = field(default_factory=list)  # the terminology's, found in the source
+    # What the search left out of its line (a source or prefix cut, constraints not met), in
+    # the words the CLI prints after "input line N: "; the same list for each of its n-best.
+    warnings: list[str] = field(default_factory=list)
 
 
 def search_lines(
@@ -84,13 +87,11 @@ def search_lines(
     outputs = [[Translation("", 0.0, [], [], None) for _ in range(options.n_best)] for _ in lines]
     todo = [i for i, line in enumerate(lines) if line.strip()]
     src = [[*prefix, *s, EOS_ID] for s in tokenizer.src.encode([lines[i].strip() for i in todo])]
-    numbers = [first_line + i + 1 for i in todo]  # the input's line numbers, for warnings
-    _cut_long_sources(src, numbers, options)
+    warned = _cut_long_sources(src, options)  # per source: what was left out
     batches = list(sorted_batches([len(s) for s in src], batch_tokens, batch_sentences))
 
     wanted = None if target_prefix is None else [list(target_prefix[i]) for i in todo]
-    if wanted is not None:
-        _warn_long_prefixes(src, wanted, numbers, options)
+    _long_prefixes(src, wanted, options, warned)
     phrases = None if constraints is None else [[list(p) for p in constraints[i]] for i in todo]
     inner = None if constraints is None else torch.tensor(tokenizer.tgt.word_inner)
     job = _SearchJob(
@@ -102,14 +103,14 @@ def search_lines(
     results = map_batches(job, batches, workers, device, kept, version)
     for batch, found in zip(batches, results, strict=True):
         for j, hyps in zip(batch, found, strict=True):
-            outputs[todo[j]] = translations(tokenizer, src[j], hyps)
-            if hyps[0].unmet:
-                print(
-                    f"attnmt: warning: input line {first_line + todo[j] + 1}: "
-                    f"{hyps[0].unmet} of {len(phrases[j])} constraints not met within the "
-                    "length limit (decode.max_len_a, max_len_b)",
-                    file=sys.stderr,
-                )  # fmt: skip
+            _unmet(hyps[0], phrases[j] if phrases else [], warned[j])
+            outputs[todo[j]] = translations(tokenizer, src[j], hyps, warned[j])
+    for j, said in enumerate(warned):  # the CLI's and the API's stderr, in input order
+        for warning in said:
+            print(
+                f"attnmt: warning: input line {first_line + todo[j] + 1}: {warning}",
+                file=sys.stderr,
+            )
     model.train(was_training)
     return outputs
 
@@ -124,8 +125,11 @@ def _version(model: Seq2Seq) -> tuple[tuple[int, int], ...]:
     )
 
 
-def translations(tokenizer: Tokenizer, src: list[int], hyps: list[Hypothesis]) -> list[Translation]:
-    """A source's hypotheses (src: its ids, EOS included) as text, pieces and attention."""
+def translations(
+    tokenizer: Tokenizer, src: list[int], hyps: list[Hypothesis], warnings: list[str]
+) -> list[Translation]:
+    """A source's hypotheses (src: its ids, EOS included) as text, pieces and attention, with
+    what its search left out."""
     src_pieces = tokenizer.src.pieces(src)
     return [
         Translation(
@@ -135,6 +139,7 @@ def translations(tokenizer: Tokenizer, src: list[int], hyps: list[Hypothesis]) -
             tokenizer.tgt.pieces(h.tokens) + (["</s>"] if h.ended else []),
             None if h.attention is None else h.attention[:, : len(src_pieces)].cpu(),
             h.unmet,
+            warnings=warnings,
         )
         for h in hyps
     ]
@@ -167,8 +172,10 @@ class LinePool:
         self.pool = new_pool(model, options, constrained)
         self.inner = torch.tensor(tokenizer.tgt.word_inner) if constrained else None
         self.src: dict[int, list[int]] = {}  # a searching line's pool id: its source ids
+        self.phrases: dict[int, list[list[int]]] = {}  # ... the phrases it must hold
         self.allowed: dict[int, torch.Tensor] = {}  # ... its shortlist (and prefix, phrases)
         self.rows: torch.Tensor | None = None  # the shortlists' union in use
+        self.warned: dict[int, list[str]] = {}  # ... what its search left out so far
         self.ready: dict[int, list[Translation]] = {}  # empty lines: answered at the next step
         self.next_empty = -1  # their keys: negative, apart from the pool's ids
 
@@ -197,9 +204,10 @@ class LinePool:
             return keys
         encoded = self.tokenizer.src.encode([lines[i].strip() for i in todo])
         src = [[*self.prefix, *s, EOS_ID] for s in encoded]
-        _cut_long_sources(src, [i + 1 for i in todo], self.options)
+        warned = _cut_long_sources(src, self.options)
         tokens = pad_sequences(src, PAD_ID).to(self.device)  # (B, S)
         wanted = None if target_prefix is None else [list(target_prefix[i]) for i in todo]
+        _long_prefixes(src, wanted, self.options, warned)
         forced = forced_tokens(wanted, len(todo), self.device)
         extra = ()
         if self.inner is not None:
@@ -208,7 +216,8 @@ class LinePool:
             ids = self.pool.add(tokens, tokens == PAD_ID, forced, *extra)
         for j, (i, key) in enumerate(zip(todo, ids, strict=True)):
             keys[i] = key
-            self.src[key] = src[j]
+            self.src[key], self.warned[key] = src[j], warned[j]
+            self.phrases[key] = list(phrases[i]) if phrases else []
             if self.shortlist is not None:
                 needed = [t for t in (wanted[j] if wanted else ())]
                 needed += [t for p in (phrases[i] if phrases else ()) for t in p]
@@ -228,7 +237,9 @@ class LinePool:
         with torch.inference_mode(), matmul_backend(self.matmul), restricted(self.model, rows):
             found = self.pool.step()
         for key, hyps in found.items():
-            done[key] = translations(self.tokenizer, self.src.pop(key), _as_list(hyps))
+            hyps, warned = _as_list(hyps), self.warned.pop(key)
+            _unmet(hyps[0], self.phrases.pop(key), warned)
+            done[key] = translations(self.tokenizer, self.src.pop(key), hyps, warned)
             if self.allowed.pop(key, None) is not None:
                 self.rows = None  # its shortlist leaves with it
         return done
@@ -239,30 +250,43 @@ def _as_list(hyps: Hypothesis | list[Hypothesis]) -> list[Hypothesis]:
     return hyps if isinstance(hyps, list) else [hyps]
 
 
-def _cut_long_sources(src: list[list[int]], numbers: list[int], options: SearchOptions) -> None:
-    """In place, with a warning naming the input line: a source longer than
-    decode.max_src_len is cut (one very long line must not stall the rest)."""
+def _cut_long_sources(src: list[list[int]], options: SearchOptions) -> list[list[str]]:
+    """In place: a source longer than decode.max_src_len is cut (one very long line must not
+    stall the rest). Returns per source the warnings so far: this one where it was cut."""
+    warned: list[list[str]] = [[] for _ in src]
     for j, ids in enumerate(src):
         if len(ids) > options.max_src_len:
-            print(
-                f"attnmt: warning: input line {numbers[j]}: {len(ids) - 1:,} subwords, cut to "
-                f"the first {options.max_src_len - 1:,} (decode.max_src_len)", file=sys.stderr,
-            )  # fmt: skip
+            warned[j].append(
+                f"{len(ids) - 1:,} subwords, cut to the first {options.max_src_len - 1:,} "
+                "(decode.max_src_len)"
+            )
             src[j] = [*ids[: options.max_src_len - 1], EOS_ID]
+    return warned
 
 
-def _warn_long_prefixes(
-    src: list[list[int]], prefixes: list[list[int]], numbers: list[int], options: SearchOptions
+def _long_prefixes(
+    src: list[list[int]],
+    prefixes: list[list[int]] | None,
+    options: SearchOptions,
+    warned: list[list[str]],
 ) -> None:
-    """A warning naming the input line where a prefix is longer than the line's output limit
-    (the search cuts it there)."""
-    for ids, prefix, number in zip(src, prefixes, numbers, strict=True):
+    """A warning for each line whose prefix is longer than its output limit (the search cuts
+    it there)."""
+    for ids, prefix, said in zip(src, prefixes or (), warned, strict=False):
         if len(prefix) >= (limit := output_limit(len(ids), options)):
-            print(
-                f"attnmt: warning: input line {number}: its prefix of {len(prefix):,} pieces is "
-                f"cut to the output limit, {limit - 1:,} pieces (decode.max_len_a, max_len_b, "
-                "max_output_len)", file=sys.stderr,
-            )  # fmt: skip
+            said.append(
+                f"its prefix of {len(prefix):,} pieces is cut to the output limit, "
+                f"{limit - 1:,} pieces (decode.max_len_a, max_len_b, max_output_len)"
+            )
+
+
+def _unmet(best: Hypothesis, phrases: list[list[int]], warned: list[str]) -> None:
+    """A warning where the best translation lacks some of its line's constraints."""
+    if best.unmet:
+        warned.append(
+            f"{best.unmet} of {len(phrases)} constraints not met within the length limit "
+            "(decode.max_len_a, max_len_b)"
+        )
 
 
 SEED_MASK = 2**63 - 1  # torch generators take seeds below 2 ** 64

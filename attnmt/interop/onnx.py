@@ -24,6 +24,7 @@ import torch
 from attnmt.config import Config
 from attnmt.data.files import atomic_directory, check_export_path
 from attnmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, language_tag
+from attnmt.decoding.beam import LOOKAHEAD
 from attnmt.decoding.search import SearchOptions, never_output, output_limit, search_options
 from attnmt.decoding.shortlist import SHORTLIST_FILE, load_shortlist
 from attnmt.decoding.translator import Translator
@@ -96,7 +97,7 @@ def manifest(
     cfg: Config, tokenizer: Tokenizer, net: Seq2Seq, graphs: Graphs, quantization: str | None
 ) -> dict[str, Any]:
     """What a runtime needs besides the graphs to search as attnmt does (greedy, or beam with
-    the GNMT length penalty)."""
+    the model's length penalty and stopping rule)."""
     options = search_options(cfg.decode)
     tags = {}
     if cfg.data.multilingual:
@@ -132,6 +133,8 @@ def manifest(
         else options.max_src_len,
         "beam_size": cfg.decode.beam,
         "length_penalty": cfg.decode.length_penalty,
+        "length_norm": cfg.decode.length_norm,  # "gnmt" or "length" (search.length_penalty)
+        "lookahead": LOOKAHEAD,  # "length": where a beam search stops (BeamPool)
         "target_tags": tags,
         "tokenizer": {
             "source": "tokenizer.json",
@@ -222,9 +225,12 @@ def export_graph(
             external_data=False,
         )  # fmt: skip
     model = onnx.load(str(path))
+    # The exporter can fix a length that is dynamic (a GRU's: the example's source length in
+    # its outputs and the values between its nodes, which onnxruntime then warned about at
+    # every other length): leave the outputs open, and the values to onnxruntime's inference.
     for value in model.graph.output:
-        # The exporter can fix an output's length that is dynamic (a GRU's): leave it open.
         value.type.tensor_type.ClearField("shape")
+    del model.graph.value_info[:]
     onnx.save(model, str(path))
 
 

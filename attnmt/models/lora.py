@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnmt.config import AdapterConfig
+from attnmt.errors import ConfigError
 from attnmt.kernels import Linear
 from attnmt.kernels.matmul import linear
 from attnmt.models.attention import MultiHeadAttention
@@ -80,9 +81,23 @@ def attach_adapters(model: nn.Module, cfg: AdapterConfig) -> int:
         for target in cfg.targets:
             if target in names:
                 layer = getattr(module, names[target])
+                check_rank(cfg.rank, target, layer)
                 setattr(module, names[target], LoRALinear(layer, cfg.rank, cfg.alpha))
                 count += 1
     return count
+
+
+def check_rank(rank: int, target: str, layer: nn.Linear) -> None:
+    """Refuse an adapter with as many parameters as the weight it adapts (rank x (in + out)
+    >= in x out): it is no longer low-rank, only larger (a rank of 4,096 on a d64 model)."""
+    n_in, n_out = layer.in_features, layer.out_features
+    if rank * (n_in + n_out) >= n_in * n_out:
+        most = (n_in * n_out - 1) // (n_in + n_out)
+        raise ConfigError(
+            f"train.adapters.rank {rank}: an adapter of {target} ({n_out} x {n_in}) would have "
+            f"{rank * (n_in + n_out):,} parameters, no fewer than the {n_in * n_out:,} of the "
+            f"weight it adapts; at most {most} for this model"
+        )
 
 
 def has_adapters(model: nn.Module) -> bool:

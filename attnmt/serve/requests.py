@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import Request
 from pydantic import ValidationError
 
+from attnmt.decoding.request import Prepared
 from attnmt.decoding.search import Beam, SearchOptions, output_limit
 from attnmt.decoding.translate import Translation
 from attnmt.decoding.translator import Translator
@@ -157,6 +158,26 @@ def check_work(
             )  # fmt: skip
 
 
+def check_constrained_work(prepared: Prepared, limits: Limits) -> None:
+    """413 for a constrained request (constraints, terms found in its lines) whose search
+    would pass serve --max-search once each line's hypotheses count once for the line and
+    once for each of its phrases: a beam's step works on each phrase of each hypothesis, and
+    64 lines x 32 phrases that cannot be met slowed every other request's steps 100-fold."""
+    phrases = prepared.phrases
+    if phrases is None:
+        return
+    method = prepared.options.method
+    width = method.size if isinstance(method, Beam) else prepared.options.n_best
+    work = sum(width * (1 + len(line)) for line in phrases)
+    if work > limits.max_search:
+        total = sum(map(len, phrases))
+        raise RequestError(
+            413, f"{len(phrases)} lines x {width} hypotheses x (1 + their {total:,} constraints"
+            f" and terms) = {work:,}; at most {limits.max_search:,} a request (serve "
+            "--max-search): send fewer lines or constraints",
+        )  # fmt: skip
+
+
 def attention_bound(
     translator: Translator, lines: list[str], options: SearchOptions, maps: int
 ) -> int:
@@ -179,13 +200,16 @@ def request_options(translator: Translator, request: TranslateRequest) -> Search
 
 
 def answer(results: list[list[Translation]], n_best: int, terms: bool = False) -> dict[str, Any]:
-    """The JSON answer: each line's best translation, with n_best above 1 its list, and
-    with `terms` the terminology's terms each line's search applied."""
+    """The JSON answer: each line's best translation, with n_best above 1 its list, with
+    `terms` the terminology's terms each line's search applied, and where a line's search
+    left something out, each line's warnings."""
     out: dict[str, Any] = {"translations": [r[0].text for r in results]}
     if terms:
         out["terms"] = [[t.__dict__ for t in r[0].terms] for r in results]
     if n_best > 1:
         out["n_best"] = [[{"text": t.text, "score": round(t.score, 4)} for t in r] for r in results]
+    if any(r[0].warnings for r in results):
+        out["warnings"] = [r[0].warnings for r in results]
     return out
 
 

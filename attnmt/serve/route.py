@@ -26,6 +26,7 @@ from attnmt.serve.http import error_response
 from attnmt.serve.requests import (
     RequestError,
     answer,
+    check_constrained_work,
     check_json,
     check_limits,
     check_work,
@@ -85,6 +86,7 @@ class TranslateRoute:
                 request.text, options, request.target_lang, request.prefix,
                 request.constraints, request.markup, glossary=glossary(translator, request),
             )  # fmt: skip
+            check_constrained_work(prepared, limits)
         except RequestError as e:
             return error_response(e.status, str(e))
         except TooMuchWork as e:

@@ -9,8 +9,10 @@ then advance every pool by one step. A line that arrives while others are half-w
 joins them within a few steps instead of waiting for the whole search to end (Orca's
 iteration-level scheduling, Yu et al. OSDI 2022, for an encoder-decoder), and a short line
 leaves as soon as it is done instead of waiting for the longest. Sampled requests draw per
-batch (their seeds follow the lines' places), so each is searched alone between two steps. A
-pool that fails is emptied and each of its requests searched again alone, so that a failure
+batch (their seeds follow the lines' places), so each is searched alone, by a thread of its
+own (SAMPLING_THREAD): a large one (64 lines x 8 draws) took 38 s, which the other requests'
+steps no longer wait for (issue 77; the shortlist and matmul backend are per thread). A pool
+that fails is emptied and each of its requests searched again alone, so that a failure
 answers only the request it belongs to.
 """
 
@@ -37,6 +39,7 @@ Kind = tuple[SearchOptions, tuple[int, ...], bool]  # options, source prefix, co
 # path's sentences/s joining at every step, 0.78x this way, 64 lines in flight, beam 5).
 JOIN_SHARE = 8
 JOIN_STEPS = 4
+SAMPLING_THREAD = "attnmt-sampling"
 
 
 @dataclass(eq=False)
@@ -71,6 +74,10 @@ class Scheduler:
         self.owner: dict[tuple[Kind, int], tuple[_Job, int]] = {}  # a pool's line: whose
         self.waiting: list[_Job] = []  # requests with lines not yet in a pool
         self.chars = 0  # characters of the lines in the pools
+        # Sampled requests, searched one at a time beside the steps (module docstring), in a
+        # daemon thread: a server stopped by a signal does not wait for one.
+        self.sampled: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        threading.Thread(target=self._sample, name=SAMPLING_THREAD, daemon=True).start()
         if thread:
             threading.Thread(target=self.run, name="attnmt-search", daemon=True).start()
 
@@ -126,9 +133,20 @@ class Scheduler:
             job.since = self.steps if job.since < 0 else job.since
         for job in [j for j in self.waiting if isinstance(j.prepared.options.method, Sampling)]:
             if not job.cancelled and job.added == 0:
-                self._alone(job)
-        self.waiting = [j for j in self.waiting if not j.cancelled and not j.future.done()]
+                job.added = len(job.lines)  # none for the pools
+                self.sampled.put(job)
+        self.waiting = [
+            j for j in self.waiting
+            if not j.cancelled and not j.future.done() and j.added < len(j.lines)
+        ]  # fmt: skip
         return True
+
+    def _sample(self) -> None:
+        """The sampling thread: search each sampled request alone, as they come."""
+        while True:
+            job = self.sampled.get()
+            if not job.cancelled:
+                self._alone(job)
 
     def _admit(self) -> None:
         """Hand waiting lines to their pools: one line of each request in turn, oldest

@@ -120,6 +120,11 @@ class TranslateResponse(BaseModel):
     attention: list[list[AttentionMap]] | None = Field(
         None, description="With attention: each line's maps, one per hypothesis (as n_best)."
     )
+    warnings: list[list[str]] | None = Field(
+        None, description="Where a line's search left something out (a source or prefix cut "
+        "to a limit, constraints not met): per line, what, in the words translate prints on "
+        "stderr after 'input line N: '; [] for the others. Absent when no line has one.",
+    )  # fmt: skip
 
 
 class ErrorResponse(BaseModel):

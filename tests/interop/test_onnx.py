@@ -5,6 +5,8 @@ model); int8 exports report their agreement."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,3 +87,43 @@ def test_onnx_refuses_other_quantizations(tmp_path: Path, trained, run_cli):
     assert result.code == 2
     assert "expected int8" in result.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_export_force_onto_a_symbolic_link_is_refused_before_any_work(tmp_path, trained, run_cli):
+    """Issue 77 (also seen): `export --force` onto a symlinked folder made the whole export,
+    then failed to remove the link."""
+    model, _ = trained
+    target = tmp_path / "real"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    r = run_cli("export", str(model), str(link), "--format", "onnx", "--force")
+    assert r.code == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "is a symbolic link; export to the directory it names" in r.stderr
+    assert (target / "keep.txt").read_text() == "mine" and link.is_symlink()
+    assert not list(tmp_path.glob(".link.*"))  # nothing was built beside it
+
+
+def test_6_the_gru_graphs_take_any_source_length_without_a_warning(tmp_path, corpus, run_cli):
+    """Issue 77, item 6: the GRU model's graphs kept the example's source length (5) in
+    enc_out's and proj_keys' shapes; onnxruntime warned on every other length."""
+    model = train_tiny(tmp_path, corpus, arch="rnn")
+    out = tmp_path / "onnx"
+    assert run_cli("export", str(model), str(out), "--format", "onnx").code == 0
+    for name in ("encoder.onnx", "decoder.onnx"):
+        graph = onnx.load(str(out / name)).graph
+        for value in [*graph.value_info, *graph.output]:
+            dims = value.type.tensor_type.shape.dim
+            assert not [d.dim_value for d in dims if d.dim_value == 5], (name, value.name)
+    # onnxruntime's own check, at lengths other than the example's, in a process of its own
+    # (its warnings go to the C++ log, not to Python's).
+    script = (
+        "import onnxruntime as ort, numpy as np\n"
+        f"s = ort.InferenceSession({str(out / 'encoder.onnx')!r})\n"
+        "for n in (1, 3, 17, 40):\n"
+        "    s.run(None, {'src': np.full((2, n), 4, dtype=np.int64)})\n"
+    )
+    found = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert found.returncode == 0, found.stderr
+    assert "VerifyOutputSizes" not in found.stderr, found.stderr

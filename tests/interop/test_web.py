@@ -20,9 +20,14 @@ import pytest
 import sentencepiece as spm
 
 from attnmt import Translator
+from attnmt.config import from_dict
 from attnmt.data.tokenizer import SubwordVocab
+from attnmt.interop.onnx import MANIFEST
 from attnmt.interop.tokenizer_json import tokenizer_json
 from attnmt.interop.web import PAGE, RUNTIME, RUNTIME_FILES
+from attnmt.training.loop import train
+
+from conftest import tiny_config
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
@@ -232,3 +237,24 @@ def test_a_student_with_a_shortlist_translates_over_it(tmp_path: Path, trained, 
             assert beam == ours.translate([line], beam=3)[0]
             differs += beam != plain.translate([line], beam=3)[0]
     assert differs  # the shortlist changed some output: it was applied
+
+
+@pytest.mark.skipif(not HAS_RUNTIME, reason=NO_RUNTIME)
+def test_7_the_page_searches_with_the_models_length_norm(tmp_path: Path, corpus, browser, run_cli):
+    """Issue 77, item 7: the page's beam search hard-coded the GNMT length penalty; for a
+    `decode.length_norm: length` model 5 of 50 beam-5 lines differed from attnmt's."""
+    raw = tiny_config(corpus)
+    raw["train"].update(max_steps=40, eval_every=40)
+    raw["decode"] = {"length_norm": "length", "length_penalty": 1.0}
+    train(from_dict(raw), tmp_path / "m", quiet=True)
+    out = tmp_path / "web"
+    assert run_cli("export", str(tmp_path / "m"), str(out), "--format", "web").code == 0
+    assert json.loads((out / "model" / MANIFEST).read_text())["length_norm"] == "length"
+    lines = corpus["dev_src"].read_text().splitlines()
+    ours = Translator.load(tmp_path / "m")
+    want = ours.translate(lines, beam=5)
+    gnmt = [r[0].text for r in ours.search(lines, ours.options(beam=5, length_norm="gnmt"))]
+    assert want != gnmt, "the two forms agree on every line here: the test could not fail"
+    with static_server(out) as base:
+        q = urllib.parse.quote("\n".join(lines))
+        assert page_output(browser, f"{base}/index.html?q={q}&beam=5").split("\n") == want

@@ -259,3 +259,15 @@ def test_5_init_from_with_subword_sampling_trains(tmp_path: Path, corpus, base):
     raw["tokenizer"]["vocab_size"] = 41  # another tokenizer is still refused
     with pytest.raises(ConfigError, match="keeps its source's tokenizer"):
         train(from_dict(raw), tmp_path / "other", quiet=True)
+
+
+def test_an_adapter_rank_past_the_layers_size_is_refused_in_one_line(tmp_path: Path, corpus, base):
+    """Issue 77 (also seen): rank 4,096 on a d64 model trained adapters larger than the
+    weights they adapt."""
+    raw = adapter_config(corpus, base, steps=2)
+    raw["train"]["adapters"]["rank"] = 8  # the 16 x 16 projections: 8 x 32 = 256 parameters
+    with pytest.raises(ConfigError, match=r"rank 8: an adapter of q \(16 x 16\).*at most 7"):
+        train(from_dict(raw), tmp_path / "lora", quiet=True)
+    assert not (tmp_path / "lora").exists()
+    raw["train"]["adapters"]["rank"] = 7
+    train(from_dict(raw), tmp_path / "lora", quiet=True)

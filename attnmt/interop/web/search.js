@@ -130,7 +130,10 @@
       return out;
     }
 
-    // Beam search of one sentence (K beams, the GNMT length penalty): the best hypothesis.
+    // Beam search of one sentence (K beams, the model's length penalty): the best hypothesis.
+    // As attnmt's BeamPool: with the GNMT form it stops once the best candidate is EOS; with
+    // length^alpha ("length") once no live beam, normalised as if `lookahead` tokens longer,
+    // can outscore the best finished hypothesis.
     async beam(source, K) {
       const enc = await this.encode([source]);
       const zeros = Array(K).fill(0);
@@ -138,7 +141,8 @@
       let state = enc.state.map((t) => takeRows(t, zeros));
       const limit = this.limit(source.length);
       const alpha = this.info.length_penalty;
-      const penalty = (length) => Math.pow((5 + length) / 6, alpha);
+      const byLength = this.info.length_norm === "length";
+      const penalty = (length) => Math.pow(byLength ? length : (5 + length) / 6, alpha);
       let scores = [0, ...Array(K - 1).fill(-Infinity)];
       let tokens = zeros.map(() => []);
       let prev = zeros.map(() => this.ids.bos);
@@ -161,8 +165,13 @@
         tokens = pick.map((c) => [...tokens[c.beam], c.token]);
         scores = pick.map((c) => c.key);
         const atLimit = limit <= length;
+        let stop = cands[0].token === this.ids.eos;
+        if (byLength) {
+          const top = Math.max(...finished.map((f) => f.score));
+          stop = top >= Math.max(...scores) / penalty(length + this.info.lookahead);
+        }
         if (atLimit) tokens.forEach((t, j) => finished.push({ tokens: t, score: scores[j] / penalty(length) }));
-        if (atLimit || (cands[0].token === this.ids.eos && finished.length)) {
+        if (atLimit || (stop && finished.length)) {
           return finished.reduce((a, b) => (b.score > a.score ? b : a)).tokens;
         }
         const beams = pick.map((c) => c.beam);
