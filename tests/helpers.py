@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -109,6 +111,23 @@ def wait_for(predicate, proc: subprocess.Popen, timeout: float = 60.0) -> None:
         assert proc.poll() is None, proc.communicate()
         assert time.time() < deadline, "timed out"
         time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def busy_elsewhere(n: int, code: str = "while True: pass") -> Iterator[None]:
+    """n processes that run `code` (by default: spin, each holding a CPU) for the block, and
+    that are not this process's children: another program's load (CpuShare counts a process's
+    own children as its own work)."""
+    start = f"import subprocess, sys\nfor _ in range({n}):\n"
+    start += f"    print(subprocess.Popen([sys.executable, '-c', {code!r}],"
+    start += " stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)"  # no pipes held
+    pids = subprocess.run([sys.executable, "-c", start], capture_output=True, text=True).stdout
+    try:
+        yield
+    finally:
+        for pid in map(int, pids.split()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def start_training(cfg: Path, out: Path, *extra: str) -> subprocess.Popen:

@@ -61,6 +61,25 @@ EVASIONS = {
     "a module on no floor": ("loose.py", "X = 1\n"),
     "a room on the same floor": ("serve/app.py", "from pkg.interop import export\n"),
     "a floor above": ("models/build.py", "from pkg.decoding import search\n"),
+    # Issue 78's six:
+    "a name the root hands out lazily": ("data/text.py", "from pkg import Search\n"),
+    "import_module by keyword": (
+        "data/text.py",
+        "import importlib\nimportlib.import_module(name='pkg.models')\n",
+    ),
+    "import_module relative to a package": (
+        "data/text.py",
+        "import importlib\nimportlib.import_module('.models', 'pkg')\n",
+    ),
+    "import_module under another name": (
+        "data/text.py",
+        "from importlib import import_module as load\nload('pkg.models')\n",
+    ),
+    "__import__ with a fromlist, then attributes": (
+        "data/text.py",
+        "m = __import__('pkg', fromlist=['x'])\n\ndef f():\n    return m.models.build\n",
+    ),
+    "sys.modules": ("data/text.py", "import sys\n\nX = sys.modules['pkg.decoding.search']\n"),
 }
 
 
@@ -72,7 +91,10 @@ def _fake_package(root: Path) -> Path:
             (pkg / sub / "__init__.py").write_text('"""A room."""\n')
     for name in GROUND:
         (pkg / f"{name}.py").write_text("")
-    (pkg / "__init__.py").write_text("")
+    # As attnmt's root: a name handed out lazily from a module on an upper floor.
+    (pkg / "__init__.py").write_text(
+        "def __getattr__(name):\n    from pkg.decoding.search import Search\n\n    return Search\n"
+    )
     for where in ("data/text.py", "models/build.py", "decoding/search.py", "cli/main.py",
                   "serve/app.py", "interop/export.py"):  # fmt: skip
         (pkg / where).write_text("from pkg.errors import *\n")

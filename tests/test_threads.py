@@ -14,6 +14,8 @@ import torch
 from attnmt import Translator
 from attnmt.device import CpuShare, ThreadFit, free_threads, threads_for
 
+from helpers import busy_elsewhere
+
 TWO_CPUS = pytest.mark.skipif(
     not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2
     or CpuShare.now() is None,
@@ -51,13 +53,9 @@ def test_fixed_threads_are_set_whatever_the_load():
 
 @TWO_CPUS
 def test_a_busy_core_leaves_one_thread():
-    loop = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
+    with busy_elsewhere(1):  # another program's busy loop
         time.sleep(0.3)  # running
         assert free_threads(CpuShare.now(), 2, least_s=0.5) == 1
-    finally:
-        loop.kill()
-        loop.wait()
 
 
 def test_a_translator_searches_on_the_threads_it_was_given(trained):

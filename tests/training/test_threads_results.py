@@ -26,7 +26,7 @@ from attnmt.training import setup as setup_mod
 from attnmt.training.loop import train
 
 from conftest import tiny_config, write_config
-from helpers import start_training, trained_steps, wait_for
+from helpers import busy_elsewhere, start_training, trained_steps, wait_for
 
 CPUS = len(os.sched_getaffinity(0))
 
@@ -140,18 +140,15 @@ def test_0_a_cpu_let_go_is_trained_on_and_one_taken_is_given_back(tmp_path, corp
     monkeypatch.setattr(setup_mod, "THREADS_EVERY_S", 0.5)
     raw = config(corpus, "transformer", max_steps=100000, time_budget="25s", eval_every=100000)
     out = tmp_path / "m"
-    # The loop takes the CPUs from 3 s into the run to 13 s (the run's first choice is made
-    # while they are free): the run goes down to 1 thread and back up.
+    # Another program's loops take the CPUs from 3 s into the run to 13 s (the run's first
+    # choice is made while they are free): the run goes down to 1 thread and back up.
     spin = "import time; time.sleep(3); end = time.time() + 10\nwhile time.time() < end: pass"
-    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(CPUS - 1)]
     before = torch.get_num_threads()
     torch.set_num_threads(CPUS)  # what a new process starts with
     try:
-        train(from_dict(raw), out, quiet=True)
+        with busy_elsewhere(CPUS - 1, spin):
+            train(from_dict(raw), out, quiet=True)
     finally:
         torch.set_num_threads(before)
-        for p in procs:
-            p.kill()
-            p.wait()
     counts = [e["threads"] for e in events(out, "threads")]
     assert 1 in counts and counts[-1] == CPUS, counts
