@@ -130,6 +130,20 @@ def busy_elsewhere(n: int, code: str = "while True: pass") -> Iterator[None]:
                 os.kill(pid, signal.SIGKILL)
 
 
+def serve(model: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    """`attnmt serve` of `model` as a process on a free loopback port (CPU, no access log),
+    once healthy: the process (stderr piped) and its URL."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "attnmt", "serve", "-m", str(model), "--port", str(port),
+         "--device", "cpu", "--no-access-log", *extra],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, proc)
+    return proc, url
+
+
 def start_training(cfg: Path, out: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "attnmt", "train", "-c", str(cfg), "--out", str(out), "-q", *extra],

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from attnmt.decoding.beam import BeamPool, beam_search
-from attnmt.decoding.constraints import Wanted
+from attnmt.decoding.constraints import Phrases
 from attnmt.decoding.greedy import GreedyPool, greedy_search, sample
 from attnmt.decoding.search import Beam, Hypothesis, Sampling, SearchOptions, forced_tokens
 from attnmt.models.seq2seq import Seq2Seq
@@ -26,7 +26,7 @@ def decode(
     src_pad_mask: torch.Tensor,
     options: SearchOptions,
     prefix: Sequence[Sequence[int]] | None = None,
-    constraints: Wanted | None = None,
+    constraints: Phrases | None = None,
 ) -> list[list[Hypothesis]]:
     """Decode a batch: for each sentence, options.n_best hypotheses (best first).
 
@@ -51,9 +51,9 @@ def new_pool(
     model: Seq2Seq, options: SearchOptions, constrained: bool = False
 ) -> GreedyPool | BeamPool:
     """An empty pool for options' method (greedy or beam search; sampling's draws are seeded
-    per batch, so it has none): sentences join with add(src, src_pad_mask, forced[, wanted]),
+    per batch, so it has none): sentences join with add(src, src_pad_mask, forced[, phrases]),
     step() returns those that are done. `constrained`: a beam pool whose sentences carry
-    phrases (Wanted), each add giving its own."""
+    phrases (Phrases), each add giving its own."""
     if isinstance(options.method, Beam):
         return BeamPool(model, options, constrained)
     assert not isinstance(options.method, Sampling) and not constrained

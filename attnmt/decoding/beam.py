@@ -14,7 +14,7 @@ import math
 import torch
 
 from attnmt.config import LengthNorm
-from attnmt.decoding.constraints import Constraints, Wanted
+from attnmt.decoding.constraints import Constraints, Phrases
 from attnmt.decoding.search import (
     Beam,
     Cohort,
@@ -85,12 +85,12 @@ class BeamPool:
         src: torch.Tensor,
         src_pad_mask: torch.Tensor,
         forced: torch.Tensor | None = None,
-        wanted: Wanted | None = None,
+        phrases: Phrases | None = None,
     ) -> list[int]:
         """Encode a batch (src (B, S), src_pad_mask (B, S), prefixes (B, P) or None, phrases if
         the pool is constrained) and add its sentences; returns their ids (step's keys)."""
         B, K, device, model = src.size(0), self.K, src.device, self.model
-        assert (wanted is not None) == self.constrained
+        assert (phrases is not None) == self.constrained
         # One memory row per sentence, shared by its beams. The sentences start as a cohort
         # of their own, one row each until their first step has chosen K tokens (their K
         # beams would be K copies of it); where the pool has as many cohorts as its model
@@ -111,7 +111,7 @@ class BeamPool:
         scores = torch.full((B, K), float("-inf"), device=device)  # summed log-probs
         scores[:, 0] = 0.0  # only the first beam starts alive: not K copies of one token
         limits = max_output_lengths(src_pad_mask, self.options)  # (B,)
-        chooser = Constraints(wanted, K, device) if wanted is not None else _ByScore()
+        chooser = Constraints(phrases, K, device) if phrases is not None else _ByScore()
         ids = list(range(self.next_id, self.next_id + B))
         self.next_id += B
         prev = torch.full((B if fresh else B * K,), model.bos_id, dtype=torch.long, device=device)
@@ -272,7 +272,7 @@ def beam_search(
     src_pad_mask: torch.Tensor,
     options: SearchOptions,
     forced: torch.Tensor | None = None,
-    constraints: Wanted | None = None,
+    constraints: Phrases | None = None,
 ) -> list[list[Hypothesis]]:
     """Batched beam search over one batch (BeamPool): for each sentence its n_best
     hypotheses, the 1-best first, then by score. `constraints`: per sentence, phrases its

@@ -29,7 +29,7 @@ from attnmt.kernels import topk_rows
 
 
 @dataclass(frozen=True)
-class Wanted:
+class Phrases:
     """What a batch's outputs must contain: per sentence, phrases of target ids; `inner`, if
     given, (V,) bool, the pieces that continue the word before them (see the module's docstring)."""
 
@@ -55,8 +55,8 @@ class Constraints:
     Rows are sentence-major (row = sentence * K + beam), as in beam_search; `sent` holds each
     row's sentence (its index in the batch), so sentences can leave the batch (keep)."""
 
-    def __init__(self, wanted: Wanted, K: int, device: torch.device):
-        phrases = wanted.phrases
+    def __init__(self, phrases: Phrases, K: int, device: torch.device):
+        inner, phrases = phrases.inner, phrases.phrases
         B = len(phrases)
         C = max(1, max(map(len, phrases)))
         L = max([1, *(len(p) for line in phrases for p in line)])
@@ -67,7 +67,7 @@ class Constraints:
                 self.ids[b, c, : len(p)] = torch.tensor(list(p), dtype=torch.long)
                 self.lens[b, c] = len(p)
         self.ids, self.lens = self.ids.to(device), self.lens.to(device)
-        self.inner = None if wanted.inner is None else wanted.inner.to(device)  # (V,) bool
+        self.inner = None if inner is None else inner.to(device)  # (V,) bool
         self.banks = 2 * int(self.lens.sum(1).max()) + 1  # 0 .. all, in half tokens
         self.sent = torch.arange(B, device=device).repeat_interleave(K)  # (R,)
         self.met = (self.lens == 0).repeat_interleave(K, 0)  # (R, C); absent phrases: met

@@ -97,19 +97,20 @@ def score_pairs(
     *,
     batch_tokens: int,
     device: torch.device | str = "cpu",
-    prefix: Sequence[int] = (),
+    source_prefix: Sequence[int] = (),
     max_src_len: int = 1000,
     max_tgt_len: int = 1500,
 ) -> list[ForcedScore]:
     """The forced-decoding score of each (source, target) pair, in order; sources are encoded
-    as translate encodes them (`prefix`: a multilingual model's target-language tag). A source
-    is cut to max_src_len subwords as translate cuts it, a target to max_tgt_len (its score is
-    then that of its first pieces), each with a warning: one long line must not stall the rest."""
+    as translate encodes them (`source_prefix`: a multilingual model's target-language tag). A
+    source is cut to max_src_len subwords as translate cuts it, a target to max_tgt_len (its
+    score is then that of its first pieces), each with a warning: one long line must not stall
+    the rest."""
     if len(sources) != len(targets):
         raise DataError(f"line counts differ: {len(sources)} sources, {len(targets)} targets")
     was_training = model.training
     model.eval()
-    src = [[*prefix, *s, EOS_ID] for s in tokenizer.src.encode([s.strip() for s in sources])]
+    src = [[*source_prefix, *s, EOS_ID] for s in tokenizer.src.encode([s.strip() for s in sources])]
     tgt = [[*t, EOS_ID] for t in tokenizer.tgt.encode([t.strip() for t in targets])]
     for i in range(len(src)):
         src[i] = _cut(src[i], max_src_len, f"source line {i + 1}", "decode.max_src_len", EOS_ID)

@@ -13,9 +13,8 @@ import torch
 from attnmt.data.batches import pad_sequences, sorted_batches
 from attnmt.data.search_workers import map_batches
 from attnmt.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
-from attnmt.decoding import lean_step
 from attnmt.decoding.batch import decode, new_pool
-from attnmt.decoding.constraints import Wanted
+from attnmt.decoding.constraints import Phrases
 from attnmt.decoding.search import (
     Hypothesis,
     Sampling,
@@ -30,6 +29,7 @@ from attnmt.errors import DataError
 from attnmt.kernels import matmul_backend, pack_for_many_rows, quantize_int8
 from attnmt.kernels.int8 import pack_both_ways
 from attnmt.kernels.matmul import active_backend, column_major_weights, onednn_packed_weights
+from attnmt.models import lean_step
 from attnmt.models.seq2seq import Seq2Seq
 from attnmt.models.transformer import TransformerSeq2Seq
 
@@ -60,7 +60,7 @@ def search_lines(
     workers: int = 1,
     first_line: int = 0,
     matmul: str | None = None,
-    prefix: Sequence[int] = (),
+    source_prefix: Sequence[int] = (),
     target_prefix: Sequence[Sequence[int]] | None = None,
     constraints: Sequence[Sequence[Sequence[int]]] | None = None,
     shortlist: Shortlist | None = None,
@@ -75,7 +75,7 @@ def search_lines(
     workers > 1 searches that many batches at once, sharing the intra-op threads (see
     search_workers.map_batches); the results do not depend on it. `matmul`: the CPU fp32 matmul
     backend (blas or onednn) to search with; None: the one in use here (kernels.matmul_backend).
-    `prefix`: ids before every source (a multilingual model's target-language tag), shown as
+    `source_prefix`: ids before every source (a multilingual model's target-language tag), shown as
     source pieces. `target_prefix`: per line, the target ids its translations start with.
     `constraints`: per line, target phrases (ids) its translations must contain (beam search);
     a line whose best translation lacks one (the length limit came first) is named on stderr.
@@ -86,16 +86,18 @@ def search_lines(
     model.eval()
     outputs = [[Translation("", 0.0, [], [], None) for _ in range(options.n_best)] for _ in lines]
     todo = [i for i, line in enumerate(lines) if line.strip()]
-    src = [[*prefix, *s, EOS_ID] for s in tokenizer.src.encode([lines[i].strip() for i in todo])]
+    src = [
+        [*source_prefix, *s, EOS_ID] for s in tokenizer.src.encode([lines[i].strip() for i in todo])
+    ]
     warned = _cut_long_sources(src, options)  # per source: what was left out
     batches = list(sorted_batches([len(s) for s in src], batch_tokens, batch_sentences))
 
-    wanted = None if target_prefix is None else [list(target_prefix[i]) for i in todo]
-    _long_prefixes(src, wanted, options, warned)
+    starts = None if target_prefix is None else [list(target_prefix[i]) for i in todo]
+    _long_prefixes(src, starts, options, warned)
     phrases = None if constraints is None else [[list(p) for p in constraints[i]] for i in todo]
     inner = None if constraints is None else torch.tensor(tokenizer.tgt.word_inner)
     job = _SearchJob(
-        model, src, options, device, first_line, matmul or active_backend(), wanted, phrases,
+        model, src, options, device, first_line, matmul or active_backend(), starts, phrases,
         inner, shortlist,
     )  # fmt: skip
     kept = (model,) if shortlist is None else (model, shortlist)
@@ -161,13 +163,14 @@ class LinePool:
         *,
         device: torch.device,
         matmul: str,
-        prefix: Sequence[int] = (),
+        source_prefix: Sequence[int] = (),
         constrained: bool = False,
         shortlist: Shortlist | None = None,
         before_step: Callable[[], None] = lambda: None,
     ) -> None:
         self.model, self.tokenizer, self.options = model, tokenizer, options
-        self.device, self.matmul, self.prefix = device, matmul, tuple(prefix)
+        self.device, self.matmul = device, matmul
+        self.source_prefix = tuple(source_prefix)
         self.shortlist, self.before_step = shortlist, before_step
         self.pool = new_pool(model, options, constrained)
         self.inner = torch.tensor(tokenizer.tgt.word_inner) if constrained else None
@@ -203,15 +206,15 @@ class LinePool:
         if not todo:
             return keys
         encoded = self.tokenizer.src.encode([lines[i].strip() for i in todo])
-        src = [[*self.prefix, *s, EOS_ID] for s in encoded]
+        src = [[*self.source_prefix, *s, EOS_ID] for s in encoded]
         warned = _cut_long_sources(src, self.options)
         tokens = pad_sequences(src, PAD_ID).to(self.device)  # (B, S)
-        wanted = None if target_prefix is None else [list(target_prefix[i]) for i in todo]
-        _long_prefixes(src, wanted, self.options, warned)
-        forced = forced_tokens(wanted, len(todo), self.device)
+        starts = None if target_prefix is None else [list(target_prefix[i]) for i in todo]
+        _long_prefixes(src, starts, self.options, warned)
+        forced = forced_tokens(starts, len(todo), self.device)
         extra = ()
         if self.inner is not None:
-            extra = (Wanted([phrases[i] if phrases else [] for i in todo], self.inner),)
+            extra = (Phrases([phrases[i] if phrases else [] for i in todo], self.inner),)
         with torch.inference_mode(), matmul_backend(self.matmul):
             ids = self.pool.add(tokens, tokens == PAD_ID, forced, *extra)
         for j, (i, key) in enumerate(zip(todo, ids, strict=True)):
@@ -219,7 +222,7 @@ class LinePool:
             self.src[key], self.warned[key] = src[j], warned[j]
             self.phrases[key] = list(phrases[i]) if phrases else []
             if self.shortlist is not None:
-                needed = [t for t in (wanted[j] if wanted else ())]
+                needed = [t for t in (starts[j] if starts else ())]
                 needed += [t for p in (phrases[i] if phrases else ()) for t in p]
                 self.allowed[key] = self.shortlist.allowed(tokens[j : j + 1], needed)
         self.rows = None
@@ -316,18 +319,18 @@ class _SearchJob:
             # the input: the draws depend on neither --workers nor how the input was chunked
             seed = hash((method.seed, self.first_line + batch[0])) & SEED_MASK
             options = replace(options, method=replace(method, seed=seed))
-        wanted = None if self.target_prefix is None else [self.target_prefix[j] for j in batch]
+        starts = None if self.target_prefix is None else [self.target_prefix[j] for j in batch]
         phrases = None
         if self.constraints is not None:
-            phrases = Wanted([self.constraints[j] for j in batch], self.word_inner)
+            phrases = Phrases([self.constraints[j] for j in batch], self.word_inner)
         rows = None
         if self.shortlist is not None:  # what the prefix and constraints need, too
-            needed = [t for p in wanted or () for t in p]
+            needed = [t for p in starts or () for t in p]
             if phrases is not None:
                 needed += [t for line in phrases.phrases for phrase in line for t in phrase]
             rows = self.shortlist.allowed(tokens, needed)
         with matmul_backend(self.matmul), restricted(self.model, rows):
-            return decode(self.model, tokens, pad_mask, options, wanted, phrases)
+            return decode(self.model, tokens, pad_mask, options, starts, phrases)
 
 
 def translate_lines(
@@ -339,14 +342,14 @@ def translate_lines(
     batch_tokens: int,
     device: torch.device | str = "cpu",
     workers: int = 1,
-    prefix: Sequence[int] = (),
+    source_prefix: Sequence[int] = (),
 ) -> list[str]:
     """The best translation of each line as text; exactly one output per input, in order."""
     assert options.n_best == 1, "translate_lines gives one translation per line"
     n1 = replace(options, attention=None, scores=False)
     found = search_lines(
         model, tokenizer, lines, n1, batch_tokens=batch_tokens, device=device, workers=workers,
-        prefix=prefix,
+        source_prefix=source_prefix,
     )  # fmt: skip
     return [t[0].text for t in found]
 
@@ -359,7 +362,7 @@ def for_decoding(model: Seq2Seq, precision: str) -> Seq2Seq:
     fp32 whatever the model computes in. fp32 weights are stored column-major
     (column_major_weights) and, where oneDNN runs the larger products, also in its layout
     (onednn_packed_weights), and a Transformer on the CPU steps with fewer operations
-    (decoding.lean_step): the same outputs up to float rounding. Move the model to its device
+    (models.lean_step): the same outputs up to float rounding. Move the model to its device
     first."""
     if precision == "int8":
         model = cast(Seq2Seq, quantize_int8(model.float()))

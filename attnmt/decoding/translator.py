@@ -382,7 +382,7 @@ class Translator:
             self.model, self.tokenizer, prepared.lines, prepared.options,
             batch_tokens=batch_tokens or self.cfg.decode.batch_tokens, device=self.device,
             workers=workers or self.workers, first_line=first_line, matmul=self.matmul,
-            prefix=prepared.source_prefix, target_prefix=prepared.target_prefix,
+            source_prefix=prepared.source_prefix, target_prefix=prepared.target_prefix,
             constraints=prepared.phrases, shortlist=self.shortlist,
         )  # fmt: skip
 
@@ -397,7 +397,7 @@ class Translator:
         fit = self.threads.apply if self.device.type == "cpu" else lambda: None
         return LinePool(
             self.model, self.tokenizer, options, device=self.device, matmul=self.matmul,
-            prefix=source_prefix, constrained=constrained, shortlist=self.shortlist,
+            source_prefix=source_prefix, constrained=constrained, shortlist=self.shortlist,
             before_step=fit,
         )  # fmt: skip
 
@@ -511,7 +511,7 @@ class Translator:
             return score_pairs(
                 self.model, self.tokenizer, sources, targets, device=self.device,
                 batch_tokens=batch_tokens or self.cfg.decode.batch_tokens,
-                prefix=self.source_prefix(target_lang),
+                source_prefix=self.source_prefix(target_lang),
                 max_src_len=self.cfg.decode.max_src_len,
                 max_tgt_len=self.cfg.decode.max_output_len,
             )  # fmt: skip

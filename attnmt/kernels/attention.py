@@ -175,7 +175,7 @@ def step_attention(
     products_from_keys: int = PRODUCTS_FROM_KEYS,  # an argument: TorchScript reads no globals
 ) -> torch.Tensor:
     """A decoding step's attention, softmax(q kᵀ / √d + mask) v, in the dtype k and v are kept
-    in (a decoder's cache_dtype); TorchScript compiles it too (decoding.scripted_step).
+    in (a decoder's cache_dtype); TorchScript compiles it too (models.scripted_step).
 
     q (B, h, G, d_h): G queries a row (beam search's cross-attention: a sentence's beams);
     k, v (B, h, T, d_h); mask additive, (B|1, 1, 1, T), or None. On a CPU in fp32, one query a

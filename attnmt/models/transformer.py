@@ -309,7 +309,7 @@ class TransformerSeq2Seq(Seq2Seq):
         self._init_weights(d)
         if cfg.tie_embeddings:
             self.output.weight = tgt_embed.weight
-        # Decoding's leaner form of decode_step (attnmt.decoding.lean_step, set by for_decoding):
+        # Decoding's leaner form of decode_step (attnmt.models.lean_step, set by for_decoding):
         # the same function in fewer operations, used unless attention weights are asked for.
         # Its `cohorts` shares one step's products among cohorts (decode_cohorts).
         self.lean_step: Callable[..., tuple[torch.Tensor, TransformerState, None]] | None = None

@@ -59,7 +59,7 @@ def score_dev_sets(
         loss = dev_loss(model, d.encoded, t.eval_batch_tokens, device)
         hyps = translate_lines(
             model, tokenizer, d.text.src, options, batch_tokens=t.eval_batch_tokens,
-            device=device, prefix=d.prefix,
+            device=device, source_prefix=d.prefix,
         )  # fmt: skip
         s = score(hyps, d.text.tgt)
         rows[d.name] = {"dev_loss": loss, "dev_bleu": s.bleu, "dev_chrf": s.chrf}
@@ -93,7 +93,7 @@ def score_test_sets(
         scores, _ = score_translations(
             lambda lines, prefix=prefix: translate_lines(
                 model, tokenizer, lines, search_options(cfg.decode),
-                batch_tokens=cfg.train.eval_batch_tokens, device=device, prefix=prefix,
+                batch_tokens=cfg.train.eval_batch_tokens, device=device, source_prefix=prefix,
             ),
             sources,
             references,

@@ -7,7 +7,7 @@ import torch
 
 from attnmt import Translator
 from attnmt.decoding.batch import decode
-from attnmt.decoding.constraints import Constraints, Wanted
+from attnmt.decoding.constraints import Constraints, Phrases
 from attnmt.decoding.search import Beam, SearchOptions
 from attnmt.decoding.translate import search_lines
 
@@ -19,7 +19,7 @@ LINES = make_pairs(24, 5)[0]
 
 def test_a_rows_progress_through_its_phrases():
     # One sentence, one beam, phrases [5 6 7] and [9].
-    c = Constraints(Wanted([[[5, 6, 7], [9]]]), K=1, device=torch.device("cpu"))
+    c = Constraints(Phrases([[[5, 6, 7], [9]]]), K=1, device=torch.device("cpu"))
     assert c.next_tokens().tolist() == [[5, 9]]
     step = c.advance(torch.tensor([0]), torch.tensor([5]), 2)
     c.cur, c.pos, c.met = step
@@ -76,7 +76,7 @@ def test_an_untrained_model_of_either_architecture_meets_them_too(arch):
     batch = random_batch(3, B=4)
     wanted = [[[7, 8, 9]], [[4], [11, 12]], [], [[20, 20]]]
     options = SearchOptions(Beam(5, 1.0, 1), max_len_a=0.0, max_len_b=12)
-    found = decode(model, batch.src, batch.src_pad_mask, options, constraints=Wanted(wanted))
+    found = decode(model, batch.src, batch.src_pad_mask, options, constraints=Phrases(wanted))
     for phrases, (hyp,) in zip(wanted, found, strict=True):
         text = f" {' '.join(map(str, hyp.tokens))} "
         assert all(f" {' '.join(map(str, p))} " in text for p in phrases), (phrases, hyp.tokens)

@@ -8,7 +8,7 @@ import torch
 
 from attnmt.data.tokenizer import EOS_ID, PAD_ID
 from attnmt.decoding.batch import decode, new_pool
-from attnmt.decoding.constraints import Wanted
+from attnmt.decoding.constraints import Phrases
 from attnmt.decoding.ensemble import Ensemble
 from attnmt.decoding.search import Beam, Greedy, SearchOptions, forced_tokens
 from attnmt.models.seq2seq import AttentionSpec
@@ -42,7 +42,7 @@ def alone(model, src, options, prefix=None, phrases=None):
     out = []
     for i, s in enumerate(src):
         tokens, mask = padded([s])
-        wanted = None if phrases is None else Wanted([phrases[i]])
+        wanted = None if phrases is None else Phrases([phrases[i]])
         pre = None if prefix is None else [prefix[i]]
         out.append(decode(model, tokens, mask, options, pre, wanted)[0])
     return out
@@ -62,7 +62,7 @@ def pooled(model, src, options, joins, prefix=None, phrases=None):
                 forced = None
                 if prefix is not None:
                     forced = forced_tokens([prefix[i] for i in part], len(part), tokens.device)
-                extra = () if phrases is None else (Wanted([phrases[i] for i in part]),)
+                extra = () if phrases is None else (Phrases([phrases[i] for i in part]),)
                 ids += pool.add(tokens, mask, forced, *extra)
                 at = max(at, part.stop)
         if len(pool):

@@ -20,24 +20,12 @@ from attnmt.errors import AttnmtError, DataError
 from attnmt.training.distill import distill, partial_path, progress_path, save_progress
 
 from conftest import make_pairs, tiny_config, write_config, write_lines
-from helpers import attnmt, free_port, one_error_line, wait_healthy
+from helpers import attnmt, one_error_line, serve
 
 # The request that took the server down: 64 lines of 2,000 characters, beam 100, n_best 100,
 # attention maps (130 KB, inside every other limit).
 LONG_LINE = ("w1 w2 w3 w4 w5 " * 134)[:2000]
 HEAVY = {"text": [LONG_LINE] * 64, "beam": 100, "n_best": 100, "attention": True}
-
-
-def serve(model: Path, *extra: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "attnmt", "serve", "-m", str(model), "--port", str(port),
-         "--device", "cpu", "--no-access-log", *extra],
-        stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, proc)
-    return proc, url
 
 
 def rss_mb(pid: int) -> float:

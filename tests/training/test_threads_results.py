@@ -54,11 +54,16 @@ def run(cfg: Path, out: Path, *extra: str) -> None:
     assert proc.returncode == 0, err
 
 
-def same_results(a: Path, b: Path) -> None:
+def same_results(a: Path, b: Path, logs: bool = True) -> None:
+    """The same weights and (with `logs`) the same dev losses at the same steps. A kill -9
+    may land between a checkpoint and its validation's log line: its log may then lack one."""
     for name in ("last.safetensors", "best.safetensors"):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
     scores = [[(e["step"], e["dev_loss"]) for e in events(d, "validation")] for d in (a, b)]
-    assert scores[0] == scores[1]
+    if logs:
+        assert scores[0] == scores[1]
+    else:  # every dev loss `a` logged (some twice, one maybe missing) is `b`'s at its step
+        assert set(scores[0]) <= set(scores[1])
 
 
 @contextlib.contextmanager
@@ -129,7 +134,7 @@ def test_0_twenty_kill_9_under_changing_load_then_resume_is_byte_identical(tmp_p
     run(cfg, out, "--resume", *end)
     run(cfg, tmp_path / "full", *end)
     assert {e["threads"] for e in events(out, "threads")} == {1}, "no run saw the load"
-    same_results(out, tmp_path / "full")
+    same_results(out, tmp_path / "full", logs=False)
 
 
 def test_0_a_cpu_let_go_is_trained_on_and_one_taken_is_given_back(tmp_path, corpus, monkeypatch):

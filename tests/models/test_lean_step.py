@@ -1,4 +1,4 @@
-"""decoding.lean_step: the Transformer's leaner decoding step computes what decode_step does,
+"""models.lean_step: the Transformer's leaner decoding step computes what decode_step does,
 step by step, through beam search's reordered rows and a pool's joins, and in every variant
 (post-norm, GELU, bias-free output, SSRU layers, bf16 keys and values, rotary positions kept in
 their own form, int8)."""
@@ -10,11 +10,11 @@ import copy
 import pytest
 import torch
 
-from attnmt.decoding import lean_step
 from attnmt.decoding.beam import beam_search
 from attnmt.decoding.greedy import greedy_search
 from attnmt.decoding.search import Beam, SearchOptions
 from attnmt.decoding.translate import for_decoding
+from attnmt.models import lean_step
 
 from helpers import keep_and_join, random_batch, tiny_model
 

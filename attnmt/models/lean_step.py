@@ -1,5 +1,5 @@
 """The Transformer's decoding step with fewer operations: the same function as
-TransformerSeq2Seq.decode_step (tests/decoding/test_lean_step.py compares them), computed on 2-D
+TransformerSeq2Seq.decode_step (tests/models/test_lean_step.py compares them), computed on 2-D
 rows (N, d) with the self-attention's q, k and v from one product (an SSRU's W and W_f
 likewise), the bias added by the product (addmm) and the residual in place, the model's modules
 called only for the embedding and the output layer. A step of the 30-minute T at 36 rows, 1
@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnmt.decoding import scripted_step
 from attnmt.kernels import matmul
 from attnmt.kernels.attention import step_attention
 from attnmt.kernels.int8 import Int8Linear
+from attnmt.models import scripted_step
 from attnmt.models.decoding_state import (
     LayerCache,
     RecurrentCache,

@@ -1,4 +1,4 @@
-"""decoding.scripted_step: an int8 Transformer's decoder layers (self-attention or SSRU) as a
+"""models.scripted_step: an int8 Transformer's decoder layers (self-attention or SSRU) as a
 TorchScript graph step as the lean step's Python form does, through joins at their own
 positions, rows that leave, cohorts stepped together and beams reordered at every step; other
 models keep the Python form."""
@@ -10,10 +10,10 @@ import copy
 import pytest
 import torch
 
-from attnmt.decoding import lean_step
 from attnmt.decoding.beam import beam_search
 from attnmt.decoding.search import Beam, SearchOptions
 from attnmt.decoding.translate import for_decoding
+from attnmt.models import lean_step
 
 from helpers import keep_and_join, random_batch, tiny_model
 

@@ -1,4 +1,4 @@
-"""The lean step's decoder layers (attnmt.decoding.lean_step) compiled by TorchScript: the same
+"""The lean step's decoder layers (attnmt.models.lean_step) compiled by TorchScript: the same
 operations in the same order, run by torch's graph interpreter instead of Python.
 
 Why: at a decoding step's few rows a product takes tens of microseconds, and calling each op
