@@ -86,14 +86,8 @@ def search_lines(
     model.eval()
     outputs = [[Translation("", 0.0, [], [], None) for _ in range(options.n_best)] for _ in lines]
     todo = [i for i, line in enumerate(lines) if line.strip()]
-    src = [
-        [*source_prefix, *s, EOS_ID] for s in tokenizer.src.encode([lines[i].strip() for i in todo])
-    ]
-    warned = _cut_long_sources(src, options)  # per source: what was left out
+    src, starts, warned = _sources(tokenizer, lines, todo, source_prefix, target_prefix, options)
     batches = list(sorted_batches([len(s) for s in src], batch_tokens, batch_sentences))
-
-    starts = None if target_prefix is None else [list(target_prefix[i]) for i in todo]
-    _long_prefixes(src, starts, options, warned)
     phrases = None if constraints is None else [[list(p) for p in constraints[i]] for i in todo]
     inner = None if constraints is None else torch.tensor(tokenizer.tgt.word_inner)
     job = _SearchJob(
@@ -205,12 +199,10 @@ class LinePool:
             self.ready[keys[i]] = [empty for _ in range(self.options.n_best)]
         if not todo:
             return keys
-        encoded = self.tokenizer.src.encode([lines[i].strip() for i in todo])
-        src = [[*self.source_prefix, *s, EOS_ID] for s in encoded]
-        warned = _cut_long_sources(src, self.options)
+        src, starts, warned = _sources(
+            self.tokenizer, lines, todo, self.source_prefix, target_prefix, self.options
+        )
         tokens = pad_sequences(src, PAD_ID).to(self.device)  # (B, S)
-        starts = None if target_prefix is None else [list(target_prefix[i]) for i in todo]
-        _long_prefixes(src, starts, self.options, warned)
         forced = forced_tokens(starts, len(todo), self.device)
         extra = ()
         if self.inner is not None:
@@ -222,8 +214,7 @@ class LinePool:
             self.src[key], self.warned[key] = src[j], warned[j]
             self.phrases[key] = list(phrases[i]) if phrases else []
             if self.shortlist is not None:
-                needed = [t for t in (starts[j] if starts else ())]
-                needed += [t for p in (phrases[i] if phrases else ()) for t in p]
+                needed = _needed([starts[j]] if starts else [], [self.phrases[key]])
                 self.allowed[key] = self.shortlist.allowed(tokens[j : j + 1], needed)
         self.rows = None
         return keys
@@ -251,6 +242,33 @@ class LinePool:
 def _as_list(hyps: Hypothesis | list[Hypothesis]) -> list[Hypothesis]:
     """A greedy pool's hypothesis, or a beam pool's n-best list, as a list."""
     return hyps if isinstance(hyps, list) else [hyps]
+
+
+def _sources(
+    tokenizer: Tokenizer,
+    lines: Sequence[str],
+    todo: list[int],
+    source_prefix: Sequence[int],
+    target_prefix: Sequence[Sequence[int]] | None,
+    options: SearchOptions,
+) -> tuple[list[list[int]], list[list[int]] | None, list[list[str]]]:
+    """The lines `todo` (not empty) as the search takes them, on both paths (the batch path
+    and LinePool): their source ids (the source prefix, then the line, EOS; cut to
+    decode.max_src_len), the target ids each output starts with, and per line the warnings so
+    far (a source cut, a prefix past the output limit)."""
+    encoded = tokenizer.src.encode([lines[i].strip() for i in todo])
+    src = [[*source_prefix, *ids, EOS_ID] for ids in encoded]
+    warned = _cut_long_sources(src, options)
+    starts = None if target_prefix is None else [list(target_prefix[i]) for i in todo]
+    _long_prefixes(src, starts, options, warned)
+    return src, starts, warned
+
+
+def _needed(
+    starts: Sequence[Sequence[int]], phrases: Sequence[Sequence[Sequence[int]]]
+) -> list[int]:
+    """The target ids a shortlist must keep for these lines: their prefixes' and phrases'."""
+    return [t for p in starts for t in p] + [t for line in phrases for p in line for t in p]
 
 
 def _cut_long_sources(src: list[list[int]], options: SearchOptions) -> list[list[str]]:
@@ -325,9 +343,7 @@ class _SearchJob:
             phrases = Phrases([self.constraints[j] for j in batch], self.word_inner)
         rows = None
         if self.shortlist is not None:  # what the prefix and constraints need, too
-            needed = [t for p in starts or () for t in p]
-            if phrases is not None:
-                needed += [t for line in phrases.phrases for phrase in line for t in phrase]
+            needed = _needed(starts or [], phrases.phrases if phrases is not None else [])
             rows = self.shortlist.allowed(tokens, needed)
         with matmul_backend(self.matmul), restricted(self.model, rows):
             return decode(self.model, tokens, pad_mask, options, starts, phrases)
