@@ -102,6 +102,21 @@ def limit_onednn_kernel_cache(device: torch.device, precision: str, backend: str
             os.environ.setdefault(name, str(ONEDNN_CACHE_CAPACITY))
 
 
+def cpuinfo_fields(cpuinfo: str | None = None) -> dict[str, str]:
+    """The first CPU's `vendor_id` and `flags` from the text of /proc/cpuinfo (read here when
+    not given; empty where it cannot be read)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            cpuinfo = ""
+    fields: dict[str, str] = {}
+    for key, _, value in (line.partition(":") for line in cpuinfo.splitlines()):
+        if key.strip() in ("vendor_id", "flags"):
+            fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
 def strict_blas_branch(capability: str, vendor: str) -> str | None:
     """The MKL code branch whose strict reproducibility mode fits this CPU (torch's
     get_cpu_capability(), /proc/cpuinfo's vendor_id): AVX-512 on Intel CPUs that have it,
@@ -124,13 +139,7 @@ def reproducible_blas() -> bool:
     """
     chosen = os.environ.get("MKL_CBWR")
     if chosen is None:
-        try:
-            info = Path("/proc/cpuinfo").read_text(errors="replace")
-        except OSError:
-            info = ""
-        vendor = next(
-            (v.split(":")[1].strip() for v in info.splitlines() if v.startswith("vendor_id")), ""
-        )
+        vendor = cpuinfo_fields().get("vendor_id", "")
         branch = strict_blas_branch(torch.backends.cpu.get_cpu_capability(), vendor)
         if branch is None:
             return False

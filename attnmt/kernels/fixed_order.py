@@ -1,6 +1,6 @@
 """Sums whose order does not depend on the number of threads: a training step computes the same
 bits on 1 thread as on 2, so a run may change its thread count with the machine's load and a
-resume stays byte-identical (docs/reliability.md, "Threads and byte-identical runs").
+resume stays byte-identical (docs/reliability.md, *Threads*).
 
 Why: torch splits a reduction to one number (`x.sum()`, `vector_norm(x)`) among its threads
 and adds their partial sums, so the result's rounding follows the thread count; LayerNorm's

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnmt.device import MATMUL_BACKENDS
+from attnmt.device import MATMUL_BACKENDS, cpuinfo_fields
 
 # Below this many multiply-adds (M * K * N) a product stays with the BLAS: oneDNN's fixed cost
 # per call outweighs its speed (docs/benchmarks.md).
@@ -48,11 +48,7 @@ _active: contextvars.ContextVar[str] = contextvars.ContextVar("attnmt_matmul", d
 def prefers_onednn(cpuinfo: str) -> bool:
     """From the text of /proc/cpuinfo: a non-Intel x86 CPU with AVX-512, whose AVX-512 units
     MKL leaves unused."""
-    fields = dict(
-        (key.strip(), value.strip())
-        for key, _, value in (line.partition(":") for line in cpuinfo.splitlines())
-        if key.strip() in ("vendor_id", "flags")
-    )
+    fields = cpuinfo_fields(cpuinfo)
     vendor, flags = fields.get("vendor_id", ""), fields.get("flags", "").split()
     return vendor not in ("", "GenuineIntel") and "avx512f" in flags
 
