@@ -31,7 +31,7 @@ from attnmt.data.text import read_lines
 from attnmt.data.tokenizer import EOS_ID
 from attnmt.decoding.translate import score
 from attnmt.decoding.translator import Translator
-from attnmt.interop.onnx import OnnxModel
+from attnmt.interop.onnx_run import OnnxModel
 from attnmt.interop.web import export_web
 
 BATCH = 16  # the page's greedy batch (interop/web/search.js)

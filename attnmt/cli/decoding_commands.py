@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -20,13 +20,16 @@ from attnmt.cli.options import (
     TerminologyOption,
     TermsIgnoreCaseOption,
     TermsPrefixOption,
+    decoding_options,
     model_options,
 )
 from attnmt.data.files import OutputSink, atomic_write_bytes, check_output_path
+from attnmt.decoding.options import api_arguments
 from attnmt.errors import AttnmtError
 
 
 @model_options()
+@decoding_options("translate")
 def translate(
     model: Annotated[list[Path], typer.Option(
         "--model", "-m", metavar="DIR",
@@ -35,18 +38,6 @@ def translate(
         "--input", "-i", help="Input file (default: stdin).")] = None,
     output: Annotated[Path | None, typer.Option(
         "--output", "-o", help="Output file (default: stdout).")] = None,
-    beam: Annotated[int | None, typer.Option(
-        "--beam", "-b", min=1, max=100, help="Beam size; 1 = greedy (default: config).")] = None,
-    n_best: Annotated[int, typer.Option(
-        "--n-best", min=1, max=1000,
-        help="Write the N best hypotheses per input: 'LINE ||| TEXT ||| SCORE'.")] = 1,
-    length_penalty: Annotated[float | None, typer.Option(
-        "--length-penalty", min=0.0, max=10.0,
-        help="Length penalty alpha (default: config).")] = None,
-    length_norm: Annotated[str | None, typer.Option(
-        "--length-norm",
-        help="Beam search's length normalisation: gnmt ((5 + length) / 6)^alpha, or length "
-        "(length^alpha, CTranslate2's and Marian's) (default: config).")] = None,
     batch_tokens: Annotated[int | None, typer.Option(
         "--batch-tokens", min=1, help="Source tokens per batch (default: config).")] = None,
     attention: Annotated[Path | None, typer.Option(
@@ -57,12 +48,8 @@ def translate(
     attention_head: Annotated[int | None, typer.Option(
         "--attention-head", min=0, help="Transformer: one head (default: mean of heads).")] = None,
     sampling: Annotated[bool, typer.Option(
-        "--sampling", help="Draw translations instead of searching.")] = False,
-    temperature: Annotated[float, typer.Option(
-        "--temperature", min=0.01, max=100.0, help="Sampling temperature.")] = 1.0,
-    top_k: Annotated[int, typer.Option(
-        "--top-k", min=0, help="Sample from the K likeliest tokens (0: all).")] = 0,
-    seed: Annotated[int, typer.Option("--seed", min=0, help="Sampling seed.")] = 0,
+        "--sampling", help="Draw translations instead of searching (--temperature, --top-k, "
+        "--seed).")] = False,
     target_lang: TargetLangOption = None,
     prefix: Annotated[Path | None, typer.Option(
         "--prefix", help="A target prefix per input line: each translation starts with its "
@@ -85,6 +72,7 @@ def translate(
         "tag back around the aligned output words.")] = False,
     *,
     load: ModelLoad,
+    asked: dict[str, Any],
 ) -> None:  # fmt: skip
     """Translate text, one line in, one line out (beam search, greedy with --beam 1, or
     --sampling: --n-best K draws K per line)."""
@@ -107,8 +95,7 @@ def translate(
         maps = AttentionMaps(attention, translator.cfg.model, spec)  # creates the directory
     elif alignments or markup:  # with --attention, from its layer and head
         spec = translator.alignment_spec(alignment_layer)
-    draws = (temperature, top_k, seed) if sampling else None
-    options = translator.options(beam, n_best, length_penalty, spec, draws, length_norm)
+    options = translator.options(**api_arguments(asked, sampling), attention=spec)
     done = 0  # lines translated so far
     # Written chunk by chunk as each is done: a line sent alone through a pipe or typed at a
     # terminal is answered at once.
@@ -117,7 +104,8 @@ def translate(
             source, options, batch_tokens, None, target_lang, prefixes, wanted, markup
         )
         for lines, results in chunks:
-            sink.write(format_results(results, n_best, done, moses if alignments else None))
+            aligned = moses if alignments else None
+            sink.write(format_results(results, asked["n_best"], done, aligned))
             if maps is not None:
                 maps.write([r[0] for r in results], first=done)
             done += len(lines)
@@ -187,6 +175,7 @@ def shortlist(
 
 
 @model_options()
+@decoding_options("eval")
 def evaluate(
     ref: Annotated[list[Path], typer.Option(
         "--ref", "-r", help="Reference translations (more than once: several per line).")],
@@ -202,12 +191,11 @@ def evaluate(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     lowercase: Annotated[bool, typer.Option(
         "--lowercase", "-lc", help="Case-insensitive scores (sacreBLEU's -lc).")] = False,
-    beam: Annotated[int | None, typer.Option(
-        "--beam", "-b", min=1, max=100, help="Beam size with --model (default: config).")] = None,
     target_lang: TargetLangOption = None,
     shortlist: ShortlistOption = None,
     *,
     load: ModelLoad,
+    asked: dict[str, Any],
 ) -> None:  # fmt: skip
     """Score translations with sacreBLEU (BLEU, chrF, TER); translate --src first if --model is
     given."""
@@ -227,7 +215,7 @@ def evaluate(
     hyps = lines
     if model is not None:
         translator = load.translator(model, shortlist=shortlist)
-        _, hyps = translator.score_test_set(lines, refs, beam, target_lang)
+        _, hyps = translator.score_test_set(lines, refs, asked["beam"], target_lang)
         if output is not None:
             atomic_write_bytes(output, "".join(h + "\n" for h in hyps).encode("utf-8"))
     s = score(hyps, refs, more, ter=True, lowercase=lowercase)

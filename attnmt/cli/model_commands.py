@@ -133,18 +133,21 @@ def _export_onnx(
     check: Path | None, runtime: Path | None,
 ) -> None:  # fmt: skip
     """attnmt export --format onnx | web."""
-    from attnmt.interop import onnx
+    from attnmt.decoding.options import exports_note
+    from attnmt.interop import onnx, onnx_run
 
     if format == "web":
         from attnmt.interop.web import export_web
 
         files = export_web(model, out, weights, quantization, force, runtime)
         typer.echo(f"{out}: {', '.join(files)} (serve it: python -m http.server -d {out})")
-        onnx.report_agreement(out / "model", model, weights, check)
+        typer.echo(f"note: {exports_note()}")
+        onnx_run.report_agreement(out / "model", model, weights, check)
         return
     files = onnx.export_onnx(model, out, weights, quantization, force)
     typer.echo(f"{out}: {', '.join(files)}")
-    onnx.report_agreement(out, model, weights, check)
+    typer.echo(f"note: {exports_note()}")
+    onnx_run.report_agreement(out, model, weights, check)
 
 
 @model_options()

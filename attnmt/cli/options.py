@@ -8,11 +8,12 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
 if TYPE_CHECKING:
+    from attnmt.decoding.options import DecodeOption
     from attnmt.decoding.translator import Translator
 
 WeightsOption = Annotated[
@@ -162,22 +163,51 @@ def model_options(
     and --allow-unk/--no-unk for commands that search) and pass them to it as one
     `load: ModelLoad` argument: declared once, read once."""
     names = [n for n in _SHARED if (workers or n != "workers") and (search or n != "allow_unk")]
+    added = [_keyword(n, _SHARED[n][1], _SHARED[n][0]) for n in names]
+    return lambda command: _with_options(command, "load", added, lambda v: ModelLoad(**v))
 
-    def wrap(command: Callable[..., None]) -> Callable[..., None]:
-        signature = inspect.signature(command, eval_str=True)
-        own = [p for p in signature.parameters.values() if p.name != "load"]
-        shared = [
-            inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=_SHARED[n][1],
-                              annotation=_SHARED[n][0])
-            for n in names
-        ]  # fmt: skip
 
-        @functools.wraps(command)
-        def run(**given: Any) -> None:
-            command(load=ModelLoad(**{n: given.pop(n) for n in names}), **given)
+def decoding_options(command: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Give a command the decoding options attnmt.decoding.options declares for it (flag,
+    type, bounds, default, help from the one declaration) and pass their values to it as one
+    `asked: dict` argument, by the options' names (Translator.options' keywords)."""
+    from attnmt.decoding.options import OPTIONS
 
-        run.__signature__ = signature.replace(parameters=[*own, *shared])  # type: ignore[attr-defined]
-        run.__annotations__ = {p.name: p.annotation for p in [*own, *shared]}
-        return run
+    declared = [o for o in OPTIONS.values() if command in o.commands]
+    added = [_keyword(o.name, o.default, cli_annotation(o)) for o in declared]
+    return lambda fn: _with_options(fn, "asked", added, dict)
 
-    return wrap
+
+def cli_annotation(option: DecodeOption) -> Any:
+    """The typer option of a declared decoding option."""
+    flags = [option.flag, option.short] if option.short else [option.flag]
+    kind: Any = Literal[option.choices] if option.choices else option.kind
+    kind = kind if option.default is not None else kind | None
+    bounds = {} if option.choices else {"min": option.low, "max": option.high}
+    return Annotated[kind, typer.Option(*flags, help=option.help, **bounds)]
+
+
+def _keyword(name: str, default: Any, annotation: Any) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                             annotation=annotation)  # fmt: skip
+
+
+def _with_options(
+    command: Callable[..., None],
+    argument: str,
+    added: list[inspect.Parameter],
+    make: Callable[[dict[str, Any]], Any],
+) -> Callable[..., None]:
+    """`command` with the options `added` to its signature (what typer reads), their values
+    passed to it as one argument: argument=make({name: value})."""
+    signature = inspect.signature(command, eval_str=True)
+    own = [p for p in signature.parameters.values() if p.name != argument]
+    names = [p.name for p in added]
+
+    @functools.wraps(command)
+    def run(**given: Any) -> None:
+        command(**{argument: make({n: given.pop(n) for n in names})}, **given)
+
+    run.__signature__ = signature.replace(parameters=[*own, *added])  # type: ignore[attr-defined]
+    run.__annotations__ = {p.name: p.annotation for p in [*own, *added]}
+    return run

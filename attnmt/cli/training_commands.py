@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from attnmt.cli.options import (
     ModelLoad,
     TargetLangOption,
+    decoding_options,
     model_options,
 )
 from attnmt.data.files import check_output_path
+from attnmt.decoding.options import api_arguments
 from attnmt.errors import AttnmtError
 
 
@@ -172,6 +174,7 @@ def plot(
 
 
 @model_options()
+@decoding_options("distill")
 def distill_command(
     teacher: Annotated[list[Path], typer.Option(
         "--teacher", "-t", metavar="DIR",
@@ -180,8 +183,6 @@ def distill_command(
         "--src", "-s", help="Source side of the training corpus (plain or .gz).")],
     output: Annotated[Path, typer.Option(
         "--output", "-o", help="The teacher's translations, one per source line.")],
-    beam: Annotated[int | None, typer.Option(
-        "--beam", "-b", min=1, max=100, help="Beam size (default 5; not with --sampling).")] = None,
     chunk_lines: Annotated[int, typer.Option(
         "--chunk-lines", min=1, help="Lines translated, then saved, at a time.")] = 2048,
     force: Annotated[bool, typer.Option(
@@ -190,13 +191,9 @@ def distill_command(
     sampling: Annotated[bool, typer.Option(
         "--sampling", help="Draw each translation instead of searching (back-translation: "
         "the corpus entry printed is a synthetic one).")] = False,
-    temperature: Annotated[float, typer.Option(
-        "--temperature", min=0.01, max=100.0, help="Sampling temperature.")] = 1.0,
-    top_k: Annotated[int, typer.Option(
-        "--top-k", min=0, help="Sample from the K likeliest tokens (0: all).")] = 0,
-    seed: Annotated[int, typer.Option("--seed", min=0, help="Sampling seed.")] = 0,
     *,
     load: ModelLoad,
+    asked: dict[str, Any],
 ) -> None:  # fmt: skip
     """Translate a corpus's source side with a teacher for sequence-level distillation, or
     (--sampling, a target-to-source model) monolingual text for back-translation; re-run the
@@ -205,10 +202,10 @@ def distill_command(
 
     check_output_path(output, "--output")
     translator = load.translator(teacher)
-    draws = (temperature, top_k, seed) if sampling else None
+    draws = api_arguments(asked, sampling)["sampling"]
     done = distill(
-        translator, teacher, load.weights, src, output, beam, target_lang, chunk_lines, force,
-        sampling=draws,
+        translator, teacher, load.weights, src, output, asked["beam"], target_lang, chunk_lines,
+        force, sampling=draws,
     )  # fmt: skip
     rate = done.translated / max(done.seconds, 1e-9)
     typer.echo(

@@ -12,12 +12,11 @@ gives exactly the CLI's lines.
 from __future__ import annotations
 
 import itertools
-import math
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TypeVar, cast, get_args
+from typing import TypeVar, cast
 
 import torch
 
@@ -29,6 +28,7 @@ from attnmt.decoding.alignment import DEFAULT_LAYER, align
 from attnmt.decoding.ensemble import Ensemble
 from attnmt.decoding.forced import ForcedScore, attention_maps, score_pairs
 from attnmt.decoding.markup import parse
+from attnmt.decoding.options import OPTIONS, SAMPLING_NAMES
 from attnmt.decoding.request import Prepared
 from attnmt.decoding.search import Beam, Sampling, SearchOptions, search_options
 from attnmt.decoding.shortlist import Shortlist, attach, load_shortlist
@@ -219,20 +219,12 @@ class Translator:
         if sampling is not None and beam is not None:
             raise AttnmtError("sampling draws instead of searching: drop the beam (--beam)")
         beam = self.cfg.decode.beam if beam is None else beam
-        _check_int("beam", beam, 1, 100)
-        _check_int("n_best", n_best, 1, 1000)
-        if length_penalty is not None:
-            _check_number("length_penalty", length_penalty, 0.0, 10.0)
+        asked = {"beam": beam, "n_best": n_best, "length_penalty": length_penalty}
+        asked |= {"length_norm": length_norm}
         if sampling is not None:
-            temperature, top_k, seed = sampling
-            _check_number("temperature", temperature, 0.01, 100.0)
-            _check_int("top_k", top_k, 0, 1 << 30)
-            _check_int("seed", seed, 0, (1 << 63) - 1)
-        if length_norm is not None and length_norm not in get_args(LengthNorm):
-            raise AttnmtError(
-                f"length_norm (--length-norm) must be {' or '.join(get_args(LengthNorm))}, "
-                f"not {length_norm!r}"
-            )
+            asked |= dict(zip(SAMPLING_NAMES, sampling, strict=True))
+        for name, value in asked.items():
+            OPTIONS[name].check(value)
         if n_best > beam and sampling is None:
             raise AttnmtError(f"n_best {n_best} exceeds the beam size {beam}; raise the beam")
         return search_options(
@@ -601,12 +593,6 @@ def _check_int(name: str, value: object, low: int, high: int) -> None:
     """The API's arguments are checked as the CLI's options are: one clear error."""
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
         raise AttnmtError(f"{name} {value!r}: expected an integer from {low} to {high}")
-
-
-def _check_number(name: str, value: object, low: float, high: float) -> None:
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if not ok or not math.isfinite(value) or not low <= value <= high:  # type: ignore[arg-type]
-        raise AttnmtError(f"{name} {value!r}: expected a number from {low:g} to {high:g}")
 
 
 def _check_choices(device: str, precision: str | None, matmul: str | None) -> None:

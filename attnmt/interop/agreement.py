@@ -18,12 +18,14 @@ class Agreement:
     total: int
     source: str  # where they came from
     direction: str = ""  # a multilingual model's: "into en"
+    search: str = "greedy"  # or "beam 5"
 
     def __str__(self) -> str:
         share = self.same / self.total if self.total else 1.0
         into = f", {self.direction}" if self.direction else ""
+        where = f"{self.total} sentences of {self.source}{into}"
         return (
-            f"agreement with attnmt (greedy, {self.total} sentences of {self.source}{into}): "
+            f"agreement with attnmt ({self.search}, {where}): "
             f"{self.same}/{self.total} identical ({share:.0%})"
         )
 

@@ -18,18 +18,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from attnmt.config import Config
 from attnmt.data.files import atomic_directory, check_export_path
 from attnmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, language_tag
 from attnmt.decoding.beam import LOOKAHEAD
-from attnmt.decoding.search import SearchOptions, never_output, output_limit, search_options
+from attnmt.decoding.options import exported, not_exported
+from attnmt.decoding.search import never_output, search_options
 from attnmt.decoding.shortlist import SHORTLIST_FILE, load_shortlist
-from attnmt.decoding.translator import Translator
 from attnmt.errors import AttnmtError
-from attnmt.interop.agreement import Agreement, check_lines
 from attnmt.interop.onnx_graphs import MAX_POSITIONS, Graphs, model_graphs
 from attnmt.interop.tokenizer_json import tokenizer_json
 from attnmt.models.directory import load_model_dir
@@ -135,12 +133,26 @@ def manifest(
         "length_penalty": cfg.decode.length_penalty,
         "length_norm": cfg.decode.length_norm,  # "gnmt" or "length" (search.length_penalty)
         "lookahead": LOOKAHEAD,  # "length": where a beam search stops (BeamPool)
+        "options": manifest_options(cfg),
+        "not_supported": not_exported(),
         "target_tags": tags,
         "tokenizer": {
             "source": "tokenizer.json",
             "target": "tokenizer.json" if cfg.tokenizer.joint else "tokenizer.tgt.json",
         },
     }
+
+
+def manifest_options(cfg: Config) -> dict[str, dict[str, Any]]:
+    """The decoding options an export's search honours (attnmt.decoding.options): each
+    with the model's value as its default, and its bounds or choices."""
+    found = {}
+    for name, option in exported().items():
+        default = getattr(cfg.decode, name) if option.default is None else option.default
+        bounds = {"choices": list(option.choices)} if option.choices else {
+            "min": option.low, "max": option.high}  # fmt: skip
+        found[name] = {"default": default, **bounds}
+    return found
 
 
 def encoder_outputs(graphs: Graphs) -> list[str]:
@@ -279,126 +291,3 @@ def import_onnx() -> None:
         raise AttnmtError(
             "--format onnx needs onnx, onnxscript and onnxruntime: pip install 'attnmt[onnx]'"
         ) from None
-
-
-class OnnxModel:
-    """An exported folder run by onnxruntime: greedy search as attnmt's (the export's check,
-    the benchmark)."""
-
-    def __init__(self, folder: Path, threads: int = 1) -> None:
-        import onnxruntime as ort
-
-        self.info = json.loads((folder / MANIFEST).read_text())
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
-        cpu = ["CPUExecutionProvider"]
-        self.encoder = ort.InferenceSession(str(folder / "encoder.onnx"), opts, providers=cpu)
-        self.decoder = ort.InferenceSession(str(folder / "decoder.onnx"), opts, providers=cpu)
-        self.inputs = self.info["decoder"]["inputs"]
-        self.shortlist = self.info["shortlist"]
-        if self.shortlist is not None:
-            table = np.fromfile(folder / self.shortlist["file"], dtype="<i4")
-            self.table = table.reshape(-1, self.shortlist["k"])  # (V_src, k)
-
-    def rows(self, src: np.ndarray) -> np.ndarray:
-        """The sorted target ids a batch (B, S) may output (decoding.shortlist.allowed)."""
-        more = [*self.shortlist["frequent"], *self.shortlist["always"]]
-        union = np.concatenate([self.table[src.reshape(-1)].reshape(-1), np.array(more)])
-        return np.unique(union[union >= 0]).astype(np.int64)
-
-    def limit(self, src_len: int) -> int:
-        """attnmt's output limit (decoding.search.output_limit) from the manifest."""
-        lim = self.info["output_limit"]
-        options = SearchOptions(
-            max_len_a=lim["a"], max_len_b=lim["b"], max_output_len=lim["max"],
-            max_len_round=lim["round"],
-        )  # fmt: skip
-        return output_limit(src_len, options)
-
-    def start(self, tokens: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Padded source ids (B, S) -> the memory tensors and the state before BOS."""
-        names = self.info["encoder"]["outputs"]
-        encoded = dict(zip(names, self.encoder.run(None, {"src": tokens}), strict=True))
-        memory = [encoded[n] for n in self.info["memory"]]
-        state = [
-            encoded[s["name"]]
-            if s["init"] == "encoder"
-            else np.zeros((len(tokens), *s["shape"]), np.float32)
-            for s in self.info["state"]
-        ]
-        return memory, state
-
-    def greedy(self, src: list[list[int]]) -> list[list[int]]:
-        """Source ids (EOS included) -> output ids (without EOS), as attnmt's greedy search."""
-        ids = self.info["ids"]
-        S = max(map(len, src))
-        tokens = np.array([s + [PAD_ID] * (S - len(s)) for s in src], dtype=np.int64)
-        memory, state = self.start(tokens)
-        limits = np.array([self.limit(len(s)) for s in src])
-        ids_of = self.rows(tokens) if self.shortlist is not None else None  # column -> id
-        banned = list(ids["never_output"])
-        if ids_of is not None:  # the banned ids' columns among the shortlist's
-            banned = [int(c) for c in np.nonzero(np.isin(ids_of, banned))[0]]
-        given = [ids_of] if ids_of is not None else []
-        rows = np.arange(len(src))  # the sentence of each row still searched
-        prev = np.full(len(src), ids["bos"], dtype=np.int64)
-        out: list[list[int]] = [[] for _ in src]
-        for step in range(int(limits.max())):
-            position = (
-                [np.full(len(rows), step, dtype=np.int64)] if self.info["max_positions"] else []
-            )
-            values = [prev, *position, *given, *memory, *state]
-            logp, *state = self.decoder.run(None, dict(zip(self.inputs, values, strict=True)))
-            logp[:, banned] = -np.inf
-            prev = logp.argmax(axis=1)
-            prev = ids_of[prev] if ids_of is not None else prev
-            for r, token in zip(rows, prev, strict=True):
-                if token != ids["eos"]:
-                    out[r].append(int(token))
-            keep = (prev != ids["eos"]) & (step + 1 < limits[rows])
-            if not keep.any():
-                break
-            rows, prev = rows[keep], prev[keep]
-            memory = [m[keep] for m in memory]
-            state = [s[keep] for s in state]
-        return out
-
-
-def check_agreement(
-    out: Path, model_dir: Path, weights: str, lines: list[str], source: str
-) -> list[Agreement]:
-    """Greedy output of the export (onnxruntime) against attnmt's, sentence by sentence (a
-    multilingual model into each of its target languages; with its shortlist if it has one)."""
-    theirs = OnnxModel(out)
-    short = theirs.shortlist is not None
-    ours = Translator.load(model_dir, "cpu", weights, "fp32", workers=1, shortlist=short)
-    langs: list[str | None] = list(ours.target_langs) if ours.cfg.data.multilingual else [None]
-    found = []
-    for lang in langs:
-        if short:  # a shortlist is a batch's: each sentence alone on both sides
-            want = [ours.translate([line], beam=1, target_lang=lang)[0] for line in lines]
-        else:
-            want = ours.translate(lines, beam=1, target_lang=lang)
-        prefix = ours.source_prefix(lang)
-        src = [[*prefix, *ids, EOS_ID] for ids in ours.tokenizer.src.encode(lines)]
-        got = [theirs.greedy([s])[0] for s in src]
-        same = sum(ours.tokenizer.tgt.decode(g) == w for g, w in zip(got, want, strict=True))
-        found.append(Agreement(same, len(lines), source, f"into {lang}" if lang else ""))
-    return found
-
-
-def report_agreement(out: Path, model_dir: Path, weights: str, given: Path | None) -> None:
-    """Print the export's agreement with attnmt on check_lines."""
-    lines, source = check_lines(model_dir, given)
-    if not lines:
-        print("no sentences to check the export on (the dev set is gone); use --check FILE")
-        return
-    for found in check_agreement(out, model_dir, weights, lines, source):
-        print(found, flush=True)
-    if json.loads((out / MANIFEST).read_text())["quantization"] == "int8":
-        print(
-            "note: the int8 export rounds its weights: most sentences identical is expected "
-            "(near-ties flip); a broken conversion agrees on almost nothing",
-            flush=True,
-        )

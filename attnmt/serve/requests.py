@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import Request
 from pydantic import ValidationError
 
+from attnmt.decoding.options import OPTIONS, api_arguments
 from attnmt.decoding.request import Prepared
 from attnmt.decoding.search import Beam, SearchOptions, output_limit
 from attnmt.decoding.translate import Translation
@@ -193,10 +194,11 @@ def attention_bound(
 
 def request_options(translator: Translator, request: TranslateRequest) -> SearchOptions:
     """The request's search, checked as the CLI's options are (an AttnmtError: 422)."""
-    draws = request.sampling
-    sampling = None if draws is None else (draws.temperature, draws.top_k, draws.seed)
+    asked = {n: getattr(request, n) for n, o in OPTIONS.items() if not o.group}
+    if request.sampling is not None:
+        asked |= request.sampling.model_dump()
     spec = translator.alignment_spec() if request.alignments or request.markup else None
-    return translator.options(request.beam, request.n_best, request.length_penalty, spec, sampling)
+    return translator.options(**api_arguments(asked, request.sampling is not None), attention=spec)
 
 
 def answer(results: list[list[Translation]], n_best: int, terms: bool = False) -> dict[str, Any]:

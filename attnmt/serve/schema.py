@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from attnmt.decoding.options import OPTIONS, SAMPLING, DecodeOption
 from attnmt.decoding.translator import MAX_CONSTRAINTS
 
 
@@ -32,29 +34,36 @@ MAX_TERMS = 256  # [source, target] pairs of a request's own glossary
 MAX_TERM_CHARS = 200  # characters of a glossary's source (all its forms) or target
 
 
-class SamplingRequest(BaseModel):
-    """Draw translations instead of searching (translate --sampling)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    temperature: float = Field(1.0, ge=0.01, le=100.0, description="Divide the logits by this.")
-    top_k: int = Field(0, ge=0, description="Draw from the K likeliest tokens (0: all).")
-    seed: int = Field(0, ge=0, le=(1 << 63) - 1, description="Seed of the draws.")
-
-
-class TranslateRequest(BaseModel):
+class _Closed(BaseModel):
     """Closed, as the config is: an unknown field is refused (422), not ignored; strict, so
     `"beam": true` or `"beam": "5"` is refused too, as the Python API refuses them."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def _field(option: DecodeOption) -> Any:
+    """A declared decoding option as a request field: its type, bounds, default and help."""
+    kind: Any = Literal[option.choices] if option.choices else option.kind
+    kind = kind if option.default is not None else kind | None
+    bounds = {} if option.choices else {"ge": option.low, "le": option.high}
+    return kind, Field(option.default, description=option.help, **bounds)
+
+
+def _declared(group: str) -> dict[str, Any]:
+    return {n: _field(o) for n, o in OPTIONS.items() if o.group == group}
+
+
+SamplingRequest = create_model(
+    "SamplingRequest", __base__=_Closed, __doc__="Draw translations instead of searching "
+    "(translate --sampling).", **_declared(SAMPLING),
+)  # fmt: skip
+
+
+class _Request(_Closed):
+    """A request to translate: its text and what to return besides translations (the
+    decoding options, declared in attnmt.decoding.options, are added by TranslateRequest)."""
+
     text: list[str] = Field(description="Sentences to translate, one per item.")
-    beam: int | None = Field(None, ge=1, le=100, description="Beam size (default: the model's).")
-    n_best: int = Field(
-        1, ge=1, le=100, description="Hypotheses per line with scores (at most the beam; "
-        "with sampling, draws); above 1 the answer has `n_best` lists.",
-    )  # fmt: skip
-    length_penalty: float | None = Field(
-        None, ge=0.0, le=10.0, description="GNMT length penalty alpha (default: the model's)."
-    )
     sampling: SamplingRequest | None = Field(None, description="Draw instead of searching.")
     attention: bool = Field(
         False, description="Also return each hypothesis's source attention (`attention`)."
@@ -83,6 +92,11 @@ class TranslateRequest(BaseModel):
         False, description="The lines hold inline XML/HTML tags: each is put back around "
         "the aligned output words (as translate --markup).",
     )  # fmt: skip
+
+
+TranslateRequest = create_model(
+    "TranslateRequest", __base__=_Request, __doc__=_Closed.__doc__, **_declared(""),
+)  # fmt: skip
 
 
 class Scored(BaseModel):

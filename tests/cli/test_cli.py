@@ -327,5 +327,5 @@ def test_length_norm_from_the_cli_and_from_the_config(tmp_path: Path, trained, r
     assert_user_error(
         run_cli("translate", "-m", str(model), "--length-norm", "avg", stdin=b"w1\n"),
         "--length-norm",
-        "gnmt or length",
+        "'gnmt', 'length'",
     )

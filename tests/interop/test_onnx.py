@@ -13,7 +13,8 @@ import pytest
 
 from attnmt import Translator
 from attnmt.data.tokenizer import EOS_ID
-from attnmt.interop.onnx import MANIFEST, OnnxModel
+from attnmt.interop.onnx import MANIFEST
+from attnmt.interop.onnx_run import OnnxModel
 
 from helpers import train_tiny
 

@@ -1,6 +1,8 @@
 // The page: loads the model from model/, translates the text area's lines (or ?q=TEXT on
 // load) and shows them in #output, a line per line. ?beam=K sets the beam size; a multilingual
-// model's target language is chosen in #lang (?lang=L).
+// model's target language is chosen in #lang (?lang=L); the manifest's other decoding options
+// (its "options": length_penalty, length_norm) are taken from the URL by name, within their
+// bounds, and the options it cannot do ("not_supported") are listed in #limits.
 (async function () {
   "use strict";
   const $ = (id) => document.getElementById(id);
@@ -28,16 +30,24 @@
   for (const lang of langs) $("lang").add(new Option(lang, lang));
   $("lang-label").hidden = !langs.length;
   if (langs.includes(params.get("lang"))) $("lang").value = params.get("lang");
+  const declared = model.info.options;
+  $("beam").max = declared.beam.max;
+  const asked = urlOptions(declared, params);
+  const limits = Object.entries(model.info.not_supported);
+  $("limits").textContent = limits.length
+    ? `Not in this page: ${limits.map(([name, why]) => `${name} (${why})`).join("; ")}.`
+    : "";
   $("go").disabled = false;
 
   async function translate() {
     const lines = $("source").value.split("\n");
-    const beam = Math.max(1, Math.min(16, parseInt($("beam").value, 10) || 1));
+    const { min, max } = declared.beam;
+    const beam = Math.max(min, Math.min(max, parseInt($("beam").value, 10) || 1));
     $("error").textContent = "";
     $("go").disabled = true;
     const start = performance.now();
     try {
-      const out = await model.translate(lines, beam, langs.length ? $("lang").value : null);
+      const out = await model.translate(lines, beam, langs.length ? $("lang").value : null, asked);
       const seconds = (performance.now() - start) / 1000;
       $("output").textContent = out.join("\n");
       const words = out.reduce((n, s) => n + (s.trim() ? s.trim().split(/\s+/).length : 0), 0);
@@ -48,6 +58,23 @@
     } finally {
       $("go").disabled = false;
     }
+  }
+
+  // The manifest's options given in the URL (?length_norm=length&length_penalty=0.6), each
+  // within its bounds or among its choices; the beam is the form's.
+  function urlOptions(options, params) {
+    const asked = {};
+    for (const [name, o] of Object.entries(options)) {
+      if (name === "beam" || !params.has(name)) continue;
+      const value = params.get(name);
+      if (o.choices) {
+        if (o.choices.includes(value)) asked[name] = value;
+      } else {
+        const number = Number(value);
+        if (Number.isFinite(number)) asked[name] = Math.max(o.min, Math.min(o.max, number));
+      }
+    }
+    return asked;
   }
 
   // The WebAssembly module, shipped gzipped: inflated here unless the server already did

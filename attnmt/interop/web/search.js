@@ -130,18 +130,19 @@
       return out;
     }
 
-    // Beam search of one sentence (K beams, the model's length penalty): the best hypothesis.
+    // Beam search of one sentence (K beams; the length penalty and its form: `options`'
+    // length_penalty and length_norm, else the model's, from the manifest): the best hypothesis.
     // As attnmt's BeamPool: with the GNMT form it stops once the best candidate is EOS; with
     // length^alpha ("length") once no live beam, normalised as if `lookahead` tokens longer,
     // can outscore the best finished hypothesis.
-    async beam(source, K) {
+    async beam(source, K, options = {}) {
       const enc = await this.encode([source]);
       const zeros = Array(K).fill(0);
       let memory = enc.memory.map((t) => takeRows(t, zeros));
       let state = enc.state.map((t) => takeRows(t, zeros));
       const limit = this.limit(source.length);
-      const alpha = this.info.length_penalty;
-      const byLength = this.info.length_norm === "length";
+      const alpha = options.length_penalty ?? this.info.length_penalty;
+      const byLength = (options.length_norm ?? this.info.length_norm) === "length";
       const penalty = (length) => Math.pow(byLength ? length : (5 + length) / 6, alpha);
       let scores = [0, ...Array(K - 1).fill(-Infinity)];
       let tokens = zeros.map(() => []);
@@ -180,12 +181,13 @@
       }
     }
 
-    // Each line's translation (empty lines stay empty): greedy in batches, or K beams.
-    async translate(lines, K = 1, lang = null) {
+    // Each line's translation (empty lines stay empty): greedy in batches, or K beams
+    // (`options`: the manifest's decoding options that beam search reads, by name).
+    async translate(lines, K = 1, lang = null, options = {}) {
       const out = lines.map(() => "");
       const todo = lines.map((l, i) => i).filter((i) => lines[i].trim());
       if (K > 1) {
-        for (const i of todo) out[i] = this.tgt.decode(await this.beam(this.sourceIds(lines[i], lang), K));
+        for (const i of todo) out[i] = this.tgt.decode(await this.beam(this.sourceIds(lines[i], lang), K, options));
         return out;
       }
       const sources = todo.map((i) => this.sourceIds(lines[i], lang));
