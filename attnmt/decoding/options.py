@@ -46,8 +46,9 @@ class DecodeOption:
     def bounds(self) -> str:
         if self.choices:
             return " or ".join(self.choices)
-        kind = "an integer" if self.kind is int else "a number"
-        return f"{kind} from {self.low:g} to {self.high:g}"
+        if self.kind is int:
+            return f"an integer from {self.low} to {self.high}"
+        return f"a number from {self.low:g} to {self.high:g}"
 
     def check(self, value: object) -> None:
         """One clear error (AttnmtError naming the option and its bounds) for a value the

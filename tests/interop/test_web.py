@@ -22,6 +22,7 @@ import sentencepiece as spm
 from attnmt import Translator
 from attnmt.config import from_dict
 from attnmt.data.tokenizer import SubwordVocab
+from attnmt.decoding.options import not_exported
 from attnmt.interop.onnx import MANIFEST
 from attnmt.interop.tokenizer_json import tokenizer_json
 from attnmt.interop.web import PAGE, RUNTIME, RUNTIME_FILES
@@ -258,3 +259,11 @@ def test_7_the_page_searches_with_the_models_length_norm(tmp_path: Path, corpus,
     with static_server(out) as base:
         q = urllib.parse.quote("\n".join(lines))
         assert page_output(browser, f"{base}/index.html?q={q}&beam=5").split("\n") == want
+        # Issue 78: the manifest's options are taken from the URL by name; the page lists
+        # what it cannot do (n_best, sampling), as the export said.
+        url = f"{base}/index.html?q={q}&beam=5&length_norm=gnmt"
+        assert page_output(browser, url).split("\n") == gnmt
+        from selenium.webdriver.common.by import By
+
+        limits = browser.find_element(By.ID, "limits").text
+        assert all(name in limits for name in not_exported())
