@@ -67,9 +67,11 @@ from bench_train import add_train_args, bench_train
 
 from attnmt.data.processes import keep_freed_memory
 from attnmt.data.text import read_lines
+from attnmt.decoding.precision import for_decoding
+from attnmt.decoding.scores import score
 from attnmt.decoding.search import Beam, Greedy, SearchOptions
 from attnmt.decoding.shortlist import attach, load_shortlist
-from attnmt.decoding.translate import for_decoding, score, search_lines
+from attnmt.decoding.translate import search_lines
 from attnmt.device import DECODE_PRECISIONS, MATMUL_BACKENDS, ThreadFit
 from attnmt.kernels import matmul
 from attnmt.models.directory import load_model_dir

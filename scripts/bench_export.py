@@ -24,7 +24,7 @@ import sentencepiece as spm
 
 from attnmt.data.text import read_lines
 from attnmt.data.tokenizer import Tokenizer
-from attnmt.decoding.translate import score
+from attnmt.decoding.scores import score
 from attnmt.interop.ctranslate2 import export_ctranslate2
 from attnmt.models.directory import read_run_files
 

@@ -29,7 +29,7 @@ import torch
 
 from attnmt.data.text import read_lines
 from attnmt.data.tokenizer import EOS_ID
-from attnmt.decoding.translate import score
+from attnmt.decoding.scores import score
 from attnmt.decoding.translator import Translator
 from attnmt.interop.onnx_run import OnnxModel
 from attnmt.interop.web import export_web

@@ -15,7 +15,7 @@ from attnmt import Translator
 from attnmt.config import from_dict, parse_duration
 from attnmt.data.text import read_split_text
 from attnmt.data.tokenizer import Tokenizer
-from attnmt.decoding.translate import score
+from attnmt.decoding.scores import score
 from attnmt.errors import ConfigError
 from attnmt.models.directory import load_model_dir
 from attnmt.training.loop import train

@@ -80,7 +80,7 @@ def translate(
     from attnmt.data.text import check_input
     from attnmt.decoding.alignment import moses
     from attnmt.decoding.heatmap import AttentionMaps
-    from attnmt.decoding.translate import format_results
+    from attnmt.decoding.translation import format_results
 
     if output is not None:
         check_output_path(output, "--output")
@@ -201,7 +201,7 @@ def evaluate(
     given."""
     from attnmt.config import SplitConfig
     from attnmt.data.text import read_references, read_test_set
-    from attnmt.decoding.translate import score
+    from attnmt.decoding.scores import score
 
     if (hyp is None) == (model is None):
         raise AttnmtError("give either --hyp FILE, or --model DIR with --src FILE")

@@ -226,7 +226,7 @@ def read_split(
 
 def read_test_set(split: SplitConfig) -> tuple[list[str], list[str]]:
     """A test set's sources and references, every line as it is (an empty one too): what
-    decoding.translate.score_translations scores."""
+    decoding.scores.score_translations scores."""
     pairs = list(read_split(split, keep_empty=True))
     return [s for s, _ in pairs], [t for _, t in pairs]
 

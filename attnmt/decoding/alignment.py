@@ -14,7 +14,7 @@ import re
 
 import torch
 
-from attnmt.decoding.translate import Translation
+from attnmt.decoding.translation import Translation
 
 WORD_START = "▁"
 # A Transformer's default layer: the second from the top (a 1-layer decoder: its only one),

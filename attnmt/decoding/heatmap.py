@@ -7,7 +7,7 @@ from pathlib import Path
 
 from attnmt.config import ModelConfig
 from attnmt.data.files import atomic_write, atomic_write_bytes
-from attnmt.decoding.translate import Translation
+from attnmt.decoding.translation import Translation
 from attnmt.errors import AttnmtError
 from attnmt.models.seq2seq import AttentionSpec
 

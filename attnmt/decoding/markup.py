@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from attnmt.decoding.alignment import word_weights
-from attnmt.decoding.translate import Translation
+from attnmt.decoding.translation import Translation
 from attnmt.errors import AttnmtError
 
 MAX_DEPTH = 64  # tags open at once in a line

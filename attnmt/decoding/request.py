@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from attnmt.decoding.markup import Element, put_back
 from attnmt.decoding.search import SearchOptions
 from attnmt.decoding.terminology import Term
-from attnmt.decoding.translate import Translation
+from attnmt.decoding.translation import Translation
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,17 @@
-"""Translate lists of sentences with a trained model, and score translations with sacreBLEU."""
+"""Translate lists of sentences with a trained model: search_lines (batched by length, on
+workers) and LinePool (lines that join and leave a running search: the server's)."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import cast
+from dataclasses import dataclass, replace
 
-import sacrebleu
 import torch
 
 from attnmt.data.batches import pad_sequences, sorted_batches
 from attnmt.data.search_workers import map_batches
-from attnmt.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
+from attnmt.data.tokenizer import PAD_ID, Tokenizer
 from attnmt.decoding.batch import decode, new_pool
 from attnmt.decoding.constraints import Phrases
 from attnmt.decoding.search import (
@@ -20,32 +19,13 @@ from attnmt.decoding.search import (
     Sampling,
     SearchOptions,
     forced_tokens,
-    output_limit,
 )
 from attnmt.decoding.shortlist import Shortlist, restricted
-from attnmt.decoding.terminology import Term
-from attnmt.device import PRECISION_DTYPES, cpu_has_amx
-from attnmt.errors import DataError
-from attnmt.kernels import matmul_backend, pack_for_many_rows, quantize_int8
-from attnmt.kernels.int8 import pack_both_ways
-from attnmt.kernels.matmul import active_backend, column_major_weights, onednn_packed_weights
-from attnmt.models import lean_step
+from attnmt.decoding.sources import needed_tokens, prepare_sources, unmet_warning
+from attnmt.decoding.translation import Translation
+from attnmt.kernels import matmul_backend
+from attnmt.kernels.matmul import active_backend
 from attnmt.models.seq2seq import Seq2Seq
-from attnmt.models.transformer import TransformerSeq2Seq
-
-
-@dataclass
-class Translation:
-    text: str
-    score: float
-    src_pieces: list[str]  # source subwords (EOS included), the attention's columns
-    tgt_pieces: list[str]  # output subwords (and EOS if it ended so), the attention's rows
-    attention: torch.Tensor | None  # (len(tgt_pieces), len(src_pieces)) when asked for
-    unmet: int = 0  # constrained search: the constraints it lacks (the length limit came first)
-    terms: list[Term] = field(default_factory=list)  # the terminology's, found in the source
-    # What the search left out of its line (a source or prefix cut, constraints not met), in
-    # the words the CLI prints after "input line N: "; the same list for each of its n-best.
-    warnings: list[str] = field(default_factory=list)
 
 
 def search_lines(
@@ -86,7 +66,9 @@ def search_lines(
     model.eval()
     outputs = [[Translation("", 0.0, [], [], None) for _ in range(options.n_best)] for _ in lines]
     todo = [i for i, line in enumerate(lines) if line.strip()]
-    src, starts, warned = _sources(tokenizer, lines, todo, source_prefix, target_prefix, options)
+    src, starts, warned = prepare_sources(
+        tokenizer, lines, todo, source_prefix, target_prefix, options
+    )
     batches = list(sorted_batches([len(s) for s in src], batch_tokens, batch_sentences))
     phrases = None if constraints is None else [[list(p) for p in constraints[i]] for i in todo]
     inner = None if constraints is None else torch.tensor(tokenizer.tgt.word_inner)
@@ -99,7 +81,7 @@ def search_lines(
     results = map_batches(job, batches, workers, device, kept, version)
     for batch, found in zip(batches, results, strict=True):
         for j, hyps in zip(batch, found, strict=True):
-            _unmet(hyps[0], phrases[j] if phrases else [], warned[j])
+            unmet_warning(hyps[0], phrases[j] if phrases else [], warned[j])
             outputs[todo[j]] = translations(tokenizer, src[j], hyps, warned[j])
     for j, said in enumerate(warned):  # the CLI's and the API's stderr, in input order
         for warning in said:
@@ -199,7 +181,7 @@ class LinePool:
             self.ready[keys[i]] = [empty for _ in range(self.options.n_best)]
         if not todo:
             return keys
-        src, starts, warned = _sources(
+        src, starts, warned = prepare_sources(
             self.tokenizer, lines, todo, self.source_prefix, target_prefix, self.options
         )
         tokens = pad_sequences(src, PAD_ID).to(self.device)  # (B, S)
@@ -214,7 +196,7 @@ class LinePool:
             self.src[key], self.warned[key] = src[j], warned[j]
             self.phrases[key] = list(phrases[i]) if phrases else []
             if self.shortlist is not None:
-                needed = _needed([starts[j]] if starts else [], [self.phrases[key]])
+                needed = needed_tokens([starts[j]] if starts else [], [self.phrases[key]])
                 self.allowed[key] = self.shortlist.allowed(tokens[j : j + 1], needed)
         self.rows = None
         return keys
@@ -232,7 +214,7 @@ class LinePool:
             found = self.pool.step()
         for key, hyps in found.items():
             hyps, warned = _as_list(hyps), self.warned.pop(key)
-            _unmet(hyps[0], self.phrases.pop(key), warned)
+            unmet_warning(hyps[0], self.phrases.pop(key), warned)
             done[key] = translations(self.tokenizer, self.src.pop(key), hyps, warned)
             if self.allowed.pop(key, None) is not None:
                 self.rows = None  # its shortlist leaves with it
@@ -242,72 +224,6 @@ class LinePool:
 def _as_list(hyps: Hypothesis | list[Hypothesis]) -> list[Hypothesis]:
     """A greedy pool's hypothesis, or a beam pool's n-best list, as a list."""
     return hyps if isinstance(hyps, list) else [hyps]
-
-
-def _sources(
-    tokenizer: Tokenizer,
-    lines: Sequence[str],
-    todo: list[int],
-    source_prefix: Sequence[int],
-    target_prefix: Sequence[Sequence[int]] | None,
-    options: SearchOptions,
-) -> tuple[list[list[int]], list[list[int]] | None, list[list[str]]]:
-    """The lines `todo` (not empty) as the search takes them, on both paths (the batch path
-    and LinePool): their source ids (the source prefix, then the line, EOS; cut to
-    decode.max_src_len), the target ids each output starts with, and per line the warnings so
-    far (a source cut, a prefix past the output limit)."""
-    encoded = tokenizer.src.encode([lines[i].strip() for i in todo])
-    src = [[*source_prefix, *ids, EOS_ID] for ids in encoded]
-    warned = _cut_long_sources(src, options)
-    starts = None if target_prefix is None else [list(target_prefix[i]) for i in todo]
-    _long_prefixes(src, starts, options, warned)
-    return src, starts, warned
-
-
-def _needed(
-    starts: Sequence[Sequence[int]], phrases: Sequence[Sequence[Sequence[int]]]
-) -> list[int]:
-    """The target ids a shortlist must keep for these lines: their prefixes' and phrases'."""
-    return [t for p in starts for t in p] + [t for line in phrases for p in line for t in p]
-
-
-def _cut_long_sources(src: list[list[int]], options: SearchOptions) -> list[list[str]]:
-    """In place: a source longer than decode.max_src_len is cut (one very long line must not
-    stall the rest). Returns per source the warnings so far: this one where it was cut."""
-    warned: list[list[str]] = [[] for _ in src]
-    for j, ids in enumerate(src):
-        if len(ids) > options.max_src_len:
-            warned[j].append(
-                f"{len(ids) - 1:,} subwords, cut to the first {options.max_src_len - 1:,} "
-                "(decode.max_src_len)"
-            )
-            src[j] = [*ids[: options.max_src_len - 1], EOS_ID]
-    return warned
-
-
-def _long_prefixes(
-    src: list[list[int]],
-    prefixes: list[list[int]] | None,
-    options: SearchOptions,
-    warned: list[list[str]],
-) -> None:
-    """A warning for each line whose prefix is longer than its output limit (the search cuts
-    it there)."""
-    for ids, prefix, said in zip(src, prefixes or (), warned, strict=False):
-        if len(prefix) >= (limit := output_limit(len(ids), options)):
-            said.append(
-                f"its prefix of {len(prefix):,} pieces is cut to the output limit, "
-                f"{limit - 1:,} pieces (decode.max_len_a, max_len_b, max_output_len)"
-            )
-
-
-def _unmet(best: Hypothesis, phrases: list[list[int]], warned: list[str]) -> None:
-    """A warning where the best translation lacks some of its line's constraints."""
-    if best.unmet:
-        warned.append(
-            f"{best.unmet} of {len(phrases)} constraints not met within the length limit "
-            "(decode.max_len_a, max_len_b)"
-        )
 
 
 SEED_MASK = 2**63 - 1  # torch generators take seeds below 2 ** 64
@@ -343,7 +259,7 @@ class _SearchJob:
             phrases = Phrases([self.constraints[j] for j in batch], self.word_inner)
         rows = None
         if self.shortlist is not None:  # what the prefix and constraints need, too
-            needed = _needed(starts or [], phrases.phrases if phrases is not None else [])
+            needed = needed_tokens(starts or [], phrases.phrases if phrases is not None else [])
             rows = self.shortlist.allowed(tokens, needed)
         with matmul_backend(self.matmul), restricted(self.model, rows):
             return decode(self.model, tokens, pad_mask, options, starts, phrases)
@@ -368,113 +284,3 @@ def translate_lines(
         source_prefix=source_prefix,
     )  # fmt: skip
     return [t[0].text for t in found]
-
-
-def for_decoding(model: Seq2Seq, precision: str) -> Seq2Seq:
-    """The model, in place, with its weights and buffers in `precision` for translation: the
-    16-bit formats halve the weights' memory traffic and run on the hardware's 16-bit matmuls
-    (GPU tensor cores, AMX); int8 (CPU) swaps the matmuls for 8-bit ones (kernels.int8); all
-    at the cost of outputs that may differ from fp32 here and there. Search sums its scores in
-    fp32 whatever the model computes in. fp32 weights are stored column-major
-    (column_major_weights) and, where oneDNN runs the larger products, also in its layout
-    (onednn_packed_weights), and a Transformer on the CPU steps with fewer operations
-    (models.lean_step): the same outputs up to float rounding. Move the model to its device
-    first."""
-    if precision == "int8":
-        model = cast(Seq2Seq, quantize_int8(model.float()))
-        pack_for_many_rows(model.source_side())
-        pack_both_ways([model])  # the rest (the decoder's): by each call's rows
-        # Attention's keys and values in bf16, half the bytes: faster with AMX (a Xeon: greedy
-        # +12 %), slower with AVX512-BF16 alone (Zen 4: greedy -17 %; docs/benchmarks.md).
-        if cpu_has_amx():
-            for module in model.modules():
-                if isinstance(module, TransformerSeq2Seq):
-                    module.cache_dtype = torch.bfloat16
-    else:
-        model = column_major_weights(model.to(PRECISION_DTYPES[precision]))
-        onednn_packed_weights(model)  # where oneDNN runs the larger products
-    if next(model.parameters(), torch.empty(0)).device.type == "cpu":
-        lean_step.attach(model)  # (on a GPU not measured)
-    return model
-
-
-def format_results(
-    results: list[list[Translation]],
-    n_best: int,
-    first: int,
-    alignment: Callable[[Translation], str] | None = None,
-) -> str:
-    """Output lines: the 1-best of each input, or its n-best list numbered from `first`;
-    with `alignment`, each line ends in ` ||| ` and the translation's word alignment."""
-
-    def tail(t: Translation) -> str:
-        return "" if alignment is None else f" ||| {alignment(t)}"
-
-    if n_best == 1:
-        return "".join(r[0].text + tail(r[0]) + "\n" for r in results)
-    return "".join(
-        f"{first + i} ||| {t.text} ||| {t.score:.4f}{tail(t)}\n"
-        for i, r in enumerate(results)
-        for t in r
-    )
-
-
-@dataclass
-class Scores:
-    bleu: float
-    chrf: float
-    bleu_signature: str
-    chrf_signature: str
-    bleu_detail: str
-    ter: float | None = None  # when asked for (score(..., ter=True))
-    ter_signature: str = ""
-
-    def as_dict(self) -> dict[str, object]:
-        out: dict[str, object] = {
-            "bleu": round(self.bleu, 2),
-            "chrf": round(self.chrf, 2),
-            "bleu_signature": self.bleu_signature,
-            "chrf_signature": self.chrf_signature,
-            "bleu_detail": self.bleu_detail,
-        }
-        if self.ter is not None:
-            out |= {"ter": round(self.ter, 2), "ter_signature": self.ter_signature}
-        return out
-
-
-def score(
-    hypotheses: Sequence[str],
-    references: Sequence[str],
-    more_references: Sequence[Sequence[str]] = (),
-    ter: bool = False,
-    lowercase: bool = False,
-) -> Scores:
-    """Corpus BLEU and chrF (sacreBLEU defaults: 13a tokenization, mixed case; `lowercase`:
-    case-insensitive, sacreBLEU's -lc), and TER if asked, against one or more references per
-    line (`more_references`: further sets)."""
-    if not hypotheses:
-        raise DataError("nothing to score: no lines")
-    hyps, refs = list(hypotheses), [list(references), *map(list, more_references)]
-    bleu = sacrebleu.metrics.BLEU(lowercase=lowercase)
-    chrf = sacrebleu.metrics.CHRF(lowercase=lowercase)
-    b, c = bleu.corpus_score(hyps, refs), chrf.corpus_score(hyps, refs)
-    found = Scores(b.score, c.score, str(bleu.get_signature()), str(chrf.get_signature()), str(b))
-    if ter:
-        metric = sacrebleu.metrics.TER(case_sensitive=not lowercase)
-        found.ter = metric.corpus_score(hyps, refs).score
-        found.ter_signature = str(metric.get_signature())
-    return found
-
-
-def score_translations(
-    translate: Callable[[list[str]], list[str]], sources: list[str], references: list[str]
-) -> tuple[Scores, list[str]]:
-    """Translate a test set's sources and score them against its references: what `attnmt
-    eval --model` and the end of training's `test` event both do, so one test set gives one
-    score. Every line counts, an empty one too (its translation is empty)."""
-    if len(sources) != len(references):
-        raise DataError(
-            f"line counts differ: {len(sources)} source lines, {len(references)} references"
-        )
-    hypotheses = translate(sources)
-    return score(hypotheses, references), hypotheses

@@ -29,19 +29,14 @@ from attnmt.decoding.ensemble import Ensemble
 from attnmt.decoding.forced import ForcedScore, attention_maps, score_pairs
 from attnmt.decoding.markup import parse
 from attnmt.decoding.options import OPTIONS, SAMPLING_NAMES
+from attnmt.decoding.precision import for_decoding
 from attnmt.decoding.request import Prepared
+from attnmt.decoding.scores import Scores, score, score_translations
 from attnmt.decoding.search import Beam, Sampling, SearchOptions, search_options
 from attnmt.decoding.shortlist import Shortlist, attach, load_shortlist
 from attnmt.decoding.terminology import Term, Terminology
-from attnmt.decoding.translate import (
-    LinePool,
-    Scores,
-    Translation,
-    for_decoding,
-    score,
-    score_translations,
-    search_lines,
-)
+from attnmt.decoding.translate import LinePool, search_lines
+from attnmt.decoding.translation import Translation
 from attnmt.device import (
     DECODE_PRECISIONS,
     DEVICES,

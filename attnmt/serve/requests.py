@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from attnmt.decoding.options import OPTIONS, api_arguments
 from attnmt.decoding.request import Prepared
 from attnmt.decoding.search import Beam, SearchOptions, output_limit
-from attnmt.decoding.translate import Translation
+from attnmt.decoding.translation import Translation
 from attnmt.decoding.translator import Translator
 from attnmt.serve.schema import (
     MAX_TERM_CHARS,

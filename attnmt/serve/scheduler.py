@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 
 from attnmt.decoding.request import Prepared
 from attnmt.decoding.search import Sampling, SearchOptions
-from attnmt.decoding.translate import LinePool, Translation
+from attnmt.decoding.translate import LinePool
+from attnmt.decoding.translation import Translation
 from attnmt.decoding.translator import Translator
 from attnmt.serve.schema import Limits
 

@@ -12,8 +12,9 @@ from attnmt.config import Config, SplitConfig
 from attnmt.data.batches import BucketSampler, collate
 from attnmt.data.text import read_test_set
 from attnmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from attnmt.decoding.scores import Scores, score, score_translations
 from attnmt.decoding.search import search_options
-from attnmt.decoding.translate import Scores, score, score_translations, translate_lines
+from attnmt.decoding.translate import translate_lines
 from attnmt.models.seq2seq import Seq2Seq
 from attnmt.training.prepare import DevSet, EncodedSplit, set_names, source_prefix
 
@@ -85,7 +86,7 @@ def score_test_sets(
     model: Seq2Seq, tokenizer: Tokenizer, cfg: Config, device: torch.device
 ) -> list[TestResult]:
     """Translate each data.test set (decode section, beam decode.beam) and score it: every
-    line counts (decoding.translate.score_translations, as `attnmt eval`)."""
+    line counts (decoding.scores.score_translations, as `attnmt eval`)."""
     sets, results = cfg.data.test_sets, []
     for split, name in zip(sets, set_names(sets), strict=True):
         sources, references = read_test_set(split)

@@ -1,8 +1,9 @@
 import sacrebleu
 
 from attnmt.data.tokenizer import Tokenizer
+from attnmt.decoding.scores import score
 from attnmt.decoding.search import SearchOptions
-from attnmt.decoding.translate import score, translate_lines
+from attnmt.decoding.translate import translate_lines
 
 from conftest import make_pairs
 from helpers import tiny_model

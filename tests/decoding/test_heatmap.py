@@ -9,7 +9,7 @@ import matplotlib.image
 import torch
 
 from attnmt.decoding.heatmap import write_attention_map
-from attnmt.decoding.translate import Translation
+from attnmt.decoding.translation import Translation
 
 
 def test_writes_json_and_png_named_by_line_number(tmp_path: Path, monkeypatch):

@@ -14,6 +14,7 @@ from attnmt.data.tokenizer import PAD_ID
 from attnmt.decoding import greedy
 from attnmt.decoding.beam import LOOKAHEAD, BeamPool, beam_search
 from attnmt.decoding.greedy import greedy_search
+from attnmt.decoding.precision import for_decoding
 from attnmt.decoding.search import (
     Beam,
     Greedy,
@@ -22,7 +23,7 @@ from attnmt.decoding.search import (
     max_output_lengths,
     output_limit,
 )
-from attnmt.decoding.translate import for_decoding, search_lines
+from attnmt.decoding.translate import search_lines
 from attnmt.device import PRECISION_DTYPES
 from attnmt.errors import AttnmtError
 from attnmt.kernels import argmax_rows, topk_rows

@@ -124,14 +124,14 @@ def test_int8_keeps_attentions_keys_and_values_in_bf16_where_the_cpu_has_amx(mon
     """for_decoding's int8: the memory's keys and values and the caches in bf16 on a CPU with
     AMX tiles (half the bytes attention reads), in fp32 elsewhere (AVX512-BF16 alone attends
     slower in bf16); fp32 decoding never."""
-    from attnmt.decoding import translate
+    from attnmt.decoding import precision
 
     from helpers import tiny_model
 
-    monkeypatch.setattr(translate, "cpu_has_amx", lambda: bf16)
-    model = translate.for_decoding(tiny_model("transformer").eval(), "int8")
+    monkeypatch.setattr(precision, "cpu_has_amx", lambda: bf16)
+    model = precision.for_decoding(tiny_model("transformer").eval(), "int8")
     assert model.cache_dtype == (torch.bfloat16 if bf16 else None)
-    assert translate.for_decoding(tiny_model("transformer").eval(), "fp32").cache_dtype is None
+    assert precision.for_decoding(tiny_model("transformer").eval(), "fp32").cache_dtype is None
 
 
 @pytest.mark.parametrize("amx", [True, False])

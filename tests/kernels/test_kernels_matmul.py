@@ -268,7 +268,7 @@ def test_onednn_packed_weights_give_the_same_steps(onednn, monkeypatch, arch: st
     """Where `auto` picks oneDNN, decoding's fp32 linear layers also hold their weights in
     oneDNN's layout, and every oneDNN product of encoding and steps (the lean step's stacked
     q, k, v too) reads it, with the same logits; elsewhere nothing is packed."""
-    from attnmt.decoding.translate import for_decoding
+    from attnmt.decoding.precision import for_decoding
 
     model = tiny_model(arch).eval()
     batch = random_batch(seed=1)

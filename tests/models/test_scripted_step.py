@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from attnmt.decoding.beam import beam_search
+from attnmt.decoding.precision import for_decoding
 from attnmt.decoding.search import Beam, SearchOptions
-from attnmt.decoding.translate import for_decoding
 from attnmt.models import lean_step
 
 from helpers import keep_and_join, random_batch, tiny_model

@@ -8,7 +8,7 @@ import time
 from attnmt.decoding.markup import parse
 from attnmt.decoding.request import Prepared
 from attnmt.decoding.search import SearchOptions
-from attnmt.decoding.translate import Translation
+from attnmt.decoding.translation import Translation
 from attnmt.serve.scheduler import Scheduler
 from attnmt.serve.schema import Limits
 
