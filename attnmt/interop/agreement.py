@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,3 +46,27 @@ def check_lines(model_dir: Path, given: Path | None) -> tuple[list[str], str]:
     except AttnmtError:
         return [], ""
     return sources[:CHECK_LINES], str(dev.tsv or dev.src)
+
+
+def report_agreement(
+    check: Callable[[list[str], str], list[Agreement]],
+    model_dir: Path,
+    given: Path | None,
+    quantization: str | None,
+) -> None:
+    """Print an export's agreement with attnmt (`check` on check_lines' sentences), with a
+    warning on stderr where an unquantized export disagrees on more than a tenth."""
+    lines, source = check_lines(model_dir, given)
+    if not lines:
+        print("no sentences to check the export on (the dev set is gone); use --check FILE")
+        return
+    for found in check(lines, source):
+        print(found, flush=True)
+        if found.same < 0.9 * found.total and quantization is None:
+            print("warning: an fp32 export should agree on nearly every sentence", file=sys.stderr)
+    if quantization is not None:
+        print(
+            f"note: the {quantization} export rounds its weights: most sentences identical is "
+            "expected (near-ties flip); a broken conversion agrees on almost nothing",
+            flush=True,
+        )

@@ -13,7 +13,6 @@ SentencePiece pieces.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,8 @@ from attnmt.data.tokenizer import BOS_ID, PAD_ID, Tokenizer, language_tag
 from attnmt.decoding.search import output_limit, search_options
 from attnmt.decoding.translator import Translator
 from attnmt.errors import AttnmtError
-from attnmt.interop.agreement import Agreement, check_lines
+from attnmt.interop import agreement
+from attnmt.interop.agreement import Agreement
 from attnmt.models.directory import load_model_dir
 from attnmt.models.transformer import (
     DecoderLayer,
@@ -174,22 +174,12 @@ def check_agreement(
 def report_agreement(
     out: Path, model_dir: Path, weights: str, given: Path | None, quantization: str | None
 ) -> None:
-    """Print the export's agreement with attnmt (check_agreement on check_lines), with a
-    warning on stderr when an unquantized export disagrees on more than a tenth."""
-    lines, source = check_lines(model_dir, given)
-    if not lines:
-        print("no sentences to check the export on (the dev set is gone); use --check FILE")
-        return
-    for found in check_agreement(out, model_dir, weights, lines, source):
-        print(found, flush=True)
-        if found.same < 0.9 * found.total and quantization is None:
-            print("warning: an fp32 export should agree on nearly every sentence", file=sys.stderr)
-    if quantization is not None:
-        print(
-            f"note: the {quantization} export rounds its weights: 80-100 % identical greedy output "
-            "is expected (near-ties flip); a broken conversion agrees on almost nothing",
-            flush=True,
-        )
+    """Print the export's agreement with attnmt (check_agreement on check_lines)."""
+
+    def check(lines: list[str], source: str) -> list[Agreement]:
+        return check_agreement(out, model_dir, weights, lines, source)
+
+    agreement.report_agreement(check, model_dir, given, quantization)
 
 
 def _import_ctranslate2() -> Any:

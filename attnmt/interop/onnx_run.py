@@ -11,7 +11,8 @@ import numpy as np
 from attnmt.data.tokenizer import EOS_ID, PAD_ID
 from attnmt.decoding.search import SearchOptions, output_limit
 from attnmt.decoding.translator import Translator
-from attnmt.interop.agreement import Agreement, check_lines
+from attnmt.interop import agreement
+from attnmt.interop.agreement import Agreement
 from attnmt.interop.onnx import MANIFEST
 
 
@@ -192,19 +193,14 @@ def check_agreement(
 
 
 def report_agreement(out: Path, model_dir: Path, weights: str, given: Path | None) -> None:
-    """Print the export's agreement with attnmt on check_lines."""
-    lines, source = check_lines(model_dir, given)
-    if not lines:
-        print("no sentences to check the export on (the dev set is gone); use --check FILE")
-        return
-    for found in check_agreement(out, model_dir, weights, lines, source):
-        print(found, flush=True)
-    if json.loads((out / MANIFEST).read_text())["quantization"] == "int8":
-        print(
-            "note: the int8 export rounds its weights: most sentences identical is expected "
-            "(near-ties flip); a broken conversion agrees on almost nothing",
-            flush=True,
-        )
+    """Print the export's agreement with attnmt (check_agreement on check_lines)."""
+    quantization = json.loads((out / MANIFEST).read_text())["quantization"]
+
+    def check(lines: list[str], source: str) -> list[Agreement]:
+        return check_agreement(out, model_dir, weights, lines, source)
+
+    quantized = None if quantization == "float32" else quantization
+    agreement.report_agreement(check, model_dir, given, quantized)
 
 
 def _best(scores: np.ndarray, logp: np.ndarray, n: int) -> list[tuple[float, int, int]]:
