@@ -71,15 +71,39 @@ def test_the_readme_is_a_front_door_linking_every_page():
         assert f"](docs/{page}.md" in README, f"docs/{page}.md is not linked from the README"
 
 
-def test_every_figure_in_the_readme_is_in_the_benchmarks():
+BENCHMARKS_LINES = 400  # docs/benchmarks.md: current tables, not a diary (docs/log/ is)
+SECTION_LINES = 80  # one area's tables and the commands behind them
+
+
+def test_every_figure_in_the_readme_is_in_the_benchmarks_tables():
     benchmarks = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    tables = "\n".join(line for line in benchmarks.splitlines() if line.startswith("|"))
     table = README.split("## How fast, how good")[1].split("\n## ")[0]
     rows = [r for r in table.splitlines() if r.startswith("| [")]
     assert rows, "the README's table of figures"
     for row in rows:
         cells = row.split("|")[2:-1]  # attnmt's figure, the peer's, the ratio
         for figure in re.findall(r"\d[\d,]*\.\d+|\d{1,3}(?:,\d{3})+", " ".join(cells)):
-            assert figure in benchmarks, f"README figure {figure} is not in docs/benchmarks.md"
+            assert figure in tables, f"README figure {figure}: in no table of docs/benchmarks.md"
+
+
+def test_the_benchmarks_page_is_current_tables_of_bounded_length():
+    """docs/benchmarks.md holds the current figures (dated paragraphs go to docs/log/): at
+    most BENCHMARKS_LINES lines, no section over SECTION_LINES, a table in every section,
+    and every table row dated (its date or its table's command paragraph)."""
+    lines = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= BENCHMARKS_LINES, f"docs/benchmarks.md: {len(lines)} lines"
+    sections: dict[str, list[str]] = {}
+    for line in lines:
+        if line.startswith("## "):
+            sections[line] = []
+        elif sections:
+            sections[list(sections)[-1]].append(line)
+    assert len(sections) >= 8, "one section per area"
+    for title, body in sections.items():
+        assert len(body) <= SECTION_LINES, f"{title}: {len(body)} lines"
+        assert any(line.startswith("|") for line in body), f"{title}: no table"
+        assert any(re.search(r"20\d\d-\d\d-\d\d", line) for line in body), f"{title}: no date"
 
 
 def _anchors(doc: Path) -> set[str]:
