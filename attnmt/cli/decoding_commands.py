@@ -87,7 +87,7 @@ def translate(
     source = None if input is None or str(input) == "-" else input
     if source is not None:
         check_input(source)  # a missing or unreadable file fails before the model loads
-    prefixes, wanted = per_line_inputs(prefix, constraints, terminology)
+    prefixes, required = per_line_inputs(prefix, constraints, terminology)
     translator = load.translator(model, terminology, shortlist, (terms_ignore_case, terms_prefix))
     spec, maps = None, None
     if attention is not None:
@@ -101,7 +101,7 @@ def translate(
     # terminal is answered at once.
     with OutputSink(output) as sink:
         chunks = translator.stream(
-            source, options, batch_tokens, None, target_lang, prefixes, wanted, markup
+            source, options, batch_tokens, None, target_lang, prefixes, required, markup
         )
         for lines, results in chunks:
             aligned = moses if alignments else None

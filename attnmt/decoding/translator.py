@@ -473,9 +473,9 @@ class Translator:
         done = 0  # lines translated so far
         for chunk in chunks:
             prefix = _in_step(prefixes, chunk, done, "--prefix")
-            wanted = _in_step(constraints, chunk, done, "--constraints")
+            required = _in_step(constraints, chunk, done, "--constraints")
             found = self.search(
-                chunk, options, batch_tokens, workers, done, target_lang, prefix, wanted, markup
+                chunk, options, batch_tokens, workers, done, target_lang, prefix, required, markup
             )
             yield chunk, found
             done += len(chunk)
