@@ -15,6 +15,8 @@
                                    [--threads 2] [--workers 1[,2]] [--precision fp32]
                                    [--matmul auto] [--shortlist off[,on]]
     python scripts/bench.py export (decode's options) [--compute-types float32,int8]
+    python scripts/bench.py step --model DIR [--rows 1,8,64,256] [--precision fp32,int8]
+                                 [--runs 5] [--threads 1]
 
 decode: translates Multi30k test_2016_flickr (1,000 sentences, from --data, default
 data/multi30k) with each model and beam size, the way ../shared/peers measures JoeyNMT and
@@ -33,6 +35,9 @@ so far (max_rss_mb: run one model per process to read it per model).
 row gives the share of lines it changes (differs_from_off).
 
 export: decode's rows, then the same model exported to CTranslate2 (scripts/bench_export.py).
+
+step: see scripts/bench_step.py (a greedy step's ms at N rows, attnmt against CTranslate2
+alternating in one process: one JSON line per rows, precision and toolkit).
 
 serve: see scripts/bench_serve.py (`attnmt serve`, or `eole serve` with --eole CHECKPOINT,
 under 1, 8, 32 (--clients) concurrent loopback clients sending 1 or 16 sentences a request:
@@ -269,6 +274,13 @@ def main() -> int:
     v.add_argument("--eole-spm", type=Path, help="the SentencePiece model of its data")
     v.add_argument("--eole-batch-rate", type=float, default=0.0,
                    help="its batch path's sentences/s (the peers harness's decode)")  # fmt: skip
+    p = sub.add_parser("step", help="a greedy step's ms by rows, attnmt against CTranslate2")
+    p.add_argument("--model", type=Path, required=True, help="model directory")
+    p.add_argument("--data", type=Path, default=Path("data/multi30k"), help="Multi30k folder")
+    p.add_argument("--rows", type=ints, default=[1, 8, 64, 256], help="e.g. 1,8,64,256")
+    p.add_argument("--precision", type=lambda s: s.split(","), default=["fp32", "int8"])
+    p.add_argument("--runs", type=int, default=5, help="alternated rounds (median)")
+    p.add_argument("--threads", type=int, default=1, help="threads of each toolkit")
     o = sub.add_parser("onnx", help="ONNX and the web page beside attnmt (fp32, int8)")
     o.add_argument("--model", type=Path, required=True, help="model directory")
     o.add_argument("--data", type=Path, default=Path("data/multi30k"), help="Multi30k folder")
@@ -306,6 +318,10 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         from bench_serve import bench_serve
 
         bench_serve(args)
+    elif args.what == "step":
+        from bench_step import bench_step
+
+        bench_step(args)
     elif args.what == "onnx":
         from bench_onnx import bench_onnx
 
