@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from attnmt import Translator
+from attnmt.data.batches import pad_sequences
 from attnmt.data.text import read_lines
-from attnmt.data.tokenizer import BOS_ID, EOS_ID
+from attnmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 
 def make_step(model, capacity: int):
@@ -61,7 +62,7 @@ def make_step(model, capacity: int):
         """tokens (N,), position () int64, caches (layers, N, h, T, d_h), mem_k/v (layers, N,
         h, S, d_h), src_bias (N, 1, S) additive -> the next tokens (N,)."""
         N = tokens.size(0)
-        x = emb[tokens] * scale + pe[position]  # (N, d)
+        x = emb.index_select(0, tokens) * scale + pe.index_select(0, position.view(1))  # (N, d)
         seen = torch.where(arange <= position, 0.0, float("-inf"))  # (T,)
         for i in range(len(layers)):
             n_self, n_cross, n_ff = norms[i]
@@ -108,9 +109,9 @@ def main() -> None:
         )
     )
     for rows in map(int, args.rows.split(",")):
-        src = torch.tensor([[*ids[i % len(ids)], EOS_ID] for i in range(rows)])
+        src = pad_sequences([[*ids[i % len(ids)], EOS_ID] for i in range(rows)], PAD_ID)
         with torch.inference_mode():
-            mem = model.encode(src, src == 0)
+            mem = model.encode(src, src == PAD_ID)
             mem_k = torch.stack([k for k, _ in mem.cross])  # (L, N, h, S, d_h)
             mem_v = torch.stack([v for _, v in mem.cross])
             bias = mem.src_mask.view(rows, 1, -1)  # additive
