@@ -15,6 +15,7 @@
                                    [--threads 2] [--workers 1[,2]] [--precision fp32]
                                    [--matmul auto] [--shortlist off[,on]]
     python scripts/bench.py export (decode's options) [--compute-types float32,int8]
+    python scripts/bench.py tm [--sizes 10000,100000,1000000] [--tatoeba TSV]
     python scripts/bench.py step --model DIR [--rows 1,8,64,256] [--precision fp32,int8]
                                  [--runs 5] [--threads 1]
 
@@ -35,6 +36,9 @@ so far (max_rss_mb: run one model per process to read it per model).
 row gives the share of lines it changes (differs_from_off).
 
 export: decode's rows, then the same model exported to CTranslate2 (scripts/bench_export.py).
+
+tm: see scripts/bench_tm.py (fuzzy matches from a translation memory of 10 k, 100 k and
+1 M segments: ms a query, median and 95th percentile).
 
 step: see scripts/bench_step.py (a greedy step's ms at N rows, attnmt against CTranslate2
 alternating in one process: one JSON line per rows, precision and toolkit).
@@ -274,6 +278,11 @@ def main() -> int:
     v.add_argument("--eole-spm", type=Path, help="the SentencePiece model of its data")
     v.add_argument("--eole-batch-rate", type=float, default=0.0,
                    help="its batch path's sentences/s (the peers harness's decode)")  # fmt: skip
+    m = sub.add_parser("tm", help="fuzzy retrieval from a TM of 10 k / 100 k / 1 M segments")
+    m.add_argument("--tatoeba", type=Path, default=TATOEBA, help="English<TAB>French pairs")
+    m.add_argument("--sizes", type=ints, default=[10_000, 100_000, 1_000_000])
+    m.add_argument("--work", type=Path, default=Path("runs/bench-tm"), help="where the TMs go")
+    m.add_argument("--keep", action="store_true", help="reuse the TMs built by an earlier run")
     p = sub.add_parser("step", help="a greedy step's ms by rows, attnmt against CTranslate2")
     p.add_argument("--model", type=Path, required=True, help="model directory")
     p.add_argument("--data", type=Path, default=Path("data/multi30k"), help="Multi30k folder")
@@ -318,6 +327,10 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         from bench_serve import bench_serve
 
         bench_serve(args)
+    elif args.what == "tm":
+        from bench_tm import bench_tm
+
+        bench_tm(args)
     elif args.what == "step":
         from bench_step import bench_step
 

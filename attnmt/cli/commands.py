@@ -1,5 +1,6 @@
 """The `attnmt` app: its commands (train, translate, average, split, import, export, plot,
-serve, shortlist, distill, eval, score) registered from their groups' modules, and --version.
+serve, shortlist, distill, eval, score, and the group tm) registered from their groups'
+modules, and --version.
 
 training_commands, decoding_commands and model_commands parse arguments and call library
 functions; attnmt.cli.main runs them and turns any AttnmtError (a problem with what the user
@@ -16,6 +17,7 @@ from attnmt import __version__
 from attnmt.cli import decoding_commands as decoding
 from attnmt.cli import model_commands as models
 from attnmt.cli import training_commands as training
+from attnmt.cli.tm_commands import tm_app
 
 app = typer.Typer(
     name="attnmt",
@@ -59,3 +61,4 @@ COMMANDS = [
 ]
 for _name, _summary, _run in COMMANDS:
     app.command(_name, short_help=_summary)(_run)
+app.add_typer(tm_app, name="tm", short_help="Translation memories: import, export, stats, add.")
