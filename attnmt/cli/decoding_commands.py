@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -20,12 +20,18 @@ from attnmt.cli.options import (
     TerminologyOption,
     TermsIgnoreCaseOption,
     TermsPrefixOption,
+    TmOption,
+    TmPairOption,
+    TmThresholdOption,
     decoding_options,
     model_options,
 )
 from attnmt.data.files import OutputSink, atomic_write_bytes, check_output_path
 from attnmt.decoding.options import api_arguments
 from attnmt.errors import AttnmtError
+
+if TYPE_CHECKING:
+    from attnmt.decoding.translation import Translation
 
 
 @model_options()
@@ -70,6 +76,12 @@ def translate(
     markup: Annotated[bool, typer.Option(
         "--markup", help="Lines hold inline XML/HTML tags: translate the text and put each "
         "tag back around the aligned output words.")] = False,
+    tm: TmOption = None,
+    tm_pair: TmPairOption = None,
+    tm_threshold: TmThresholdOption = 0.5,
+    verbose: Annotated[bool, typer.Option(
+        "--verbose", "-v", help="Say on stderr, per line, the TM segment it met and its "
+        "score.")] = False,
     *,
     load: ModelLoad,
     asked: dict[str, Any],
@@ -89,6 +101,8 @@ def translate(
         check_input(source)  # a missing or unreadable file fails before the model loads
     prefixes, required = per_line_inputs(prefix, constraints, terminology)
     translator = load.translator(model, terminology, shortlist, (terms_ignore_case, terms_prefix))
+    if tm is not None:
+        translator.use_tm(tm, tm_pair, tm_threshold)
     spec, maps = None, None
     if attention is not None:
         spec = translator.attention_spec(attention_layer, attention_head)
@@ -108,7 +122,20 @@ def translate(
             sink.write(format_results(results, asked["n_best"], done, aligned))
             if maps is not None:
                 maps.write([r[0] for r in results], first=done)
+            if verbose:
+                say_tm([r[0] for r in results], done)
             done += len(lines)
+
+
+def say_tm(results: list[Translation], first: int) -> None:
+    """translate --verbose: each line's TM match on stderr (input lines numbered from 1)."""
+    for i, found in enumerate(results, first + 1):
+        use = found.tm
+        if use is None:
+            continue
+        how = "100 % match, the translation" if use.exact else f"{use.score:.0%} fuzzy match"
+        typer.echo(f"attnmt: tm: input line {i}: {how}, segment {use.segment}: "
+                   f"{use.source} ||| {use.target}", err=True)  # fmt: skip
 
 
 def per_line_inputs(

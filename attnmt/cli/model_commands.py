@@ -18,6 +18,9 @@ from attnmt.cli.options import (
     TerminologyOption,
     TermsIgnoreCaseOption,
     TermsPrefixOption,
+    TmOption,
+    TmPairOption,
+    TmThresholdOption,
     model_options,
 )
 from attnmt.errors import AttnmtError
@@ -186,6 +189,11 @@ def serve(
     terms_ignore_case: TermsIgnoreCaseOption = False,
     terms_prefix: TermsPrefixOption = False,
     shortlist: ShortlistOption = None,
+    tm: TmOption = None,
+    tm_pair: TmPairOption = None,
+    tm_threshold: TmThresholdOption = 0.5,
+    tm_write: Annotated[bool, typer.Option(
+        "--tm-write", help="--tm: POST /tm stores approved pairs in it (post-edits).")] = False,
     *,
     load: ModelLoad,
 ) -> None:  # fmt: skip
@@ -203,7 +211,11 @@ def serve(
             f'attnmt serve needs the serve extra ({e.name} is missing): pip install "attnmt[serve]"'
         ) from None
 
+    if tm_write and tm is None:
+        raise AttnmtError("--tm-write stores post-edits in a TM: give it with --tm TM")
     translator = load.translator(model, terminology, shortlist, (terms_ignore_case, terms_prefix))
+    if tm is not None:
+        translator.use_tm(tm, tm_pair, tm_threshold)
     limits = Limits(
         max_lines, max_chars, max_queue, batch_wait_ms,
         max_search=max_search, max_attention=max_attention,
@@ -216,5 +228,5 @@ def serve(
         )
     else:
         search = Scheduler(translator, limits, thread=False)  # run's: in the main thread
-    run(create_app(translator, limits, name, access_log, hosts, docs, search), host, port, name,
-        search)  # fmt: skip
+    app = create_app(translator, limits, name, access_log, hosts, docs, search, tm_write)
+    run(app, host, port, name, search)

@@ -98,6 +98,25 @@ TermsPrefixOption = Annotated[
         "first part: Fahrrad in Fahrradhelm).",
     ),
 ]
+TmOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--tm",
+        metavar="TM",
+        help="A translation memory (attnmt tm import): a 100 % match is the translation "
+        "(not decoded), a fuzzy match is reported with it.",
+    ),
+]
+TmPairOption = Annotated[
+    str | None,
+    typer.Option("--tm-pair", metavar="SRC-TGT", help="--tm: its language pair (default: "
+                 "the TM's only one)."),
+]  # fmt: skip
+TmThresholdOption = Annotated[
+    float,
+    typer.Option("--tm-threshold", min=0.0, max=1.0, help="--tm: the lowest fuzzy score "
+                 "reported (1.0: exact matches only)."),
+]  # fmt: skip
 ShortlistOption = Annotated[
     bool | None,
     typer.Option(

@@ -12,7 +12,9 @@ those CANDIDATES are scored (rapidfuzz's Levenshtein distance over word lists).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from rapidfuzz.distance import Levenshtein
 
@@ -22,6 +24,7 @@ WORD = re.compile(r"\w+|[^\w\s]")
 CANDIDATES = 60  # segments scored per lookup, chosen by the index
 LOOKUP_WORDS = 4  # the sentence's rarest words the index looks up
 COMMON = 0.01  # the second lookup leaves out words in more than this share of the segments
+ALWAYS = 1000  # ... unless in at most this many (a small TM looks every word up)
 GOOD = 0.8  # a candidate this good ends the lookups
 
 
@@ -59,7 +62,7 @@ def best_matches(
     # changed is one of them), then all but one of them (each left out in turn); where none
     # of those is a good match, those holding any of them by BM25, the words in more than
     # COMMON of the segments left out.
-    common = COMMON * tm.size()
+    common = max(COMMON * tm.size(), ALWAYS)
     lookups = [(" AND ", rare)]
     if len(rare) > 2:
         lookups += [(" AND ", [t for t in rare if t != left]) for left in rare]
@@ -88,3 +91,31 @@ def _holding(
         (joint.join(f'"{t}"' for t in terms), *pair, CANDIDATES),
     )
     return [Segment(*row) for row in rows]
+
+
+@dataclass
+class TmLookup:
+    """A TM that translation consults: each line's best match of `pair` scoring at least
+    `threshold` (translate --tm, serve --tm). One connection shared by the threads that
+    translate and the one that stores post-edits, used one at a time."""
+
+    tm: TranslationMemory
+    pair: tuple[str, str]
+    threshold: float = 0.5
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def open(cls, path: Path, pair: str | None, threshold: float = 0.5) -> TmLookup:
+        """The TM at `path`, for `pair` ("de-en"; default: the TM's only one)."""
+        tm = TranslationMemory(path)
+        return cls(tm, tm.pair(pair), threshold)
+
+    def best(self, line: str) -> Match | None:
+        with self.lock:
+            found = best_matches(self.tm, line, self.pair, 1, self.threshold)
+        return found[0] if found else None
+
+    def add(self, source: str, target: str, origin: str) -> int:
+        """Store an approved pair of this language pair; returns its segment id."""
+        with self.lock:
+            return self.tm.add(source, target, *self.pair, origin)

@@ -10,13 +10,13 @@ fails its own request, never a batch-mate's.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from attnmt.decoding.markup import Element, put_back
 from attnmt.decoding.search import SearchOptions
 from attnmt.decoding.terminology import Term
-from attnmt.decoding.translation import Translation
+from attnmt.decoding.translation import TmUse, Translation
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class Prepared:
     terms: list[list[Term]] | None = None  # per line: the terminology's terms found in it
     phrases: list[list[list[int]]] | None = None  # per line: the phrases (ids) it must hold
     trees: list[Element] | None = None  # per line: its tags (markup), put back when finished
+    tm: list[TmUse | None] | None = None  # per line: its TM match (exact ones not searched)
 
     def __len__(self) -> int:
         return len(self.lines)
@@ -49,6 +50,7 @@ class Prepared:
         return replace(
             self, lines=self.lines[start:end], target_prefix=cut(self.target_prefix),
             terms=cut(self.terms), phrases=cut(self.phrases), trees=cut(self.trees),
+            tm=cut(self.tm),
         )  # fmt: skip
 
     @staticmethod
@@ -57,14 +59,16 @@ class Prepared:
         first = parts[0]
         assert all(p.kind == first.kind for p in parts), "one search, one kind"
 
-        def joined(name: str) -> list | None:
+        def joined(name: str, fill: Callable[[], object] = list) -> list | None:
+            """Each part's list; a part without one gives fill() a line."""
             if all(getattr(p, name) is None for p in parts):
                 return None
-            return [x for p in parts for x in getattr(p, name) or [[] for _ in p.lines]]
+            return [x for p in parts for x in getattr(p, name) or [fill() for _ in p.lines]]
 
         return Prepared(
             first.options, [line for p in parts for line in p.lines], first.source_prefix,
             joined("target_prefix"), joined("terms"), joined("phrases"),
+            tm=joined("tm", lambda: None),
         )  # fmt: skip
 
     def finish(self, found: list[list[Translation]]) -> list[list[Translation]]:
@@ -77,4 +81,9 @@ class Prepared:
                     r.terms = applied
         if self.trees is not None:
             put_back(found, self.trees)
+        for results, use in zip(found, self.tm or (), strict=False):
+            for r in results:
+                r.tm = use
+                if use is not None and use.exact:
+                    r.text = use.target
         return found

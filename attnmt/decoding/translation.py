@@ -11,6 +11,19 @@ import torch
 from attnmt.decoding.terminology import Term
 
 
+@dataclass(frozen=True)
+class TmUse:
+    """The translation memory's segment a line met (translate --tm): its id, fuzzy score,
+    source and target; `exact`: a 100 % match, returned as the translation without decoding
+    (as CAT tools do), else shown beside the model's translation."""
+
+    segment: int
+    score: float
+    source: str
+    target: str
+    exact: bool
+
+
 @dataclass
 class Translation:
     text: str
@@ -23,6 +36,7 @@ class Translation:
     # What the search left out of its line (a source or prefix cut, constraints not met), in
     # the words the CLI prints after "input line N: "; the same list for each of its n-best.
     warnings: list[str] = field(default_factory=list)
+    tm: TmUse | None = None  # with a translation memory: the segment its line met
 
 
 def format_results(

@@ -21,6 +21,7 @@ from typing import TypeVar, cast
 import torch
 
 from attnmt.config import Config, LengthNorm
+from attnmt.data.fuzzy import TmLookup
 from attnmt.data.processes import keep_freed_memory
 from attnmt.data.text import CHUNK_LINES, input_chunks
 from attnmt.data.tokenizer import UNK_ID, Tokenizer
@@ -36,7 +37,7 @@ from attnmt.decoding.search import Beam, Sampling, SearchOptions, search_options
 from attnmt.decoding.shortlist import Shortlist, attach, load_shortlist
 from attnmt.decoding.terminology import Term, Terminology
 from attnmt.decoding.translate import LinePool, search_lines
-from attnmt.decoding.translation import Translation
+from attnmt.decoding.translation import TmUse, Translation
 from attnmt.device import (
     DECODE_PRECISIONS,
     DEVICES,
@@ -76,6 +77,9 @@ class Translator:
     shortlist: Shortlist | None = None  # each batch outputs only its shortlist's pieces
     # CPU threads: fixed, or as many as other processes leave free (chosen per search).
     threads: ThreadFit = field(default_factory=lambda: ThreadFit(None, torch.get_num_threads()))
+    # A translation memory consulted for every line (use_tm): a 100 % match is returned as
+    # the translation, a fuzzy one shown beside it (Translation.tm).
+    tm: TmLookup | None = None
 
     @classmethod
     def load(
@@ -343,13 +347,51 @@ class Translator:
             if len(prefix) != len(lines):
                 raise AttnmtError(f"prefix: {len(prefix)} prefixes for {len(lines)} lines")
             target_prefix = self.tokenizer.tgt.encode([p.strip() for p in prefix])
-        trees = None
+        trees, originals = None, list(lines)
         if markup:  # the text without its tags is translated, with alignments
             parsed = [parse(line) for line in lines]
             lines, trees = [text for text, _ in parsed], [tree for _, tree in parsed]
             options = replace(options, attention=options.attention or self.alignment_spec())
         terms, phrases = self._constraints(lines, constraints, options, first_line, glossary)
-        return Prepared(options, list(lines), source_prefix, target_prefix, terms, phrases, trees)
+        lines, matches = self._tm_matches(originals, list(lines), target_prefix, phrases)
+        return Prepared(
+            options, lines, source_prefix, target_prefix, terms, phrases, trees, matches
+        )
+
+    def use_tm(self, path: Path, pair: str | None = None, threshold: float = 0.5) -> None:
+        """Consult the translation memory at `path` (of language pair `pair`, "de-en";
+        default: its only one) for every line from now on: a 100 % match is the translation
+        (not decoded), a match scoring `threshold` or more is reported beside it."""
+        if not isinstance(threshold, int | float) or not 0.0 <= threshold <= 1.0:
+            raise AttnmtError(f"threshold {threshold!r}: expected a number from 0 to 1")
+        self.tm = TmLookup.open(Path(path), pair, threshold)
+
+    def _tm_matches(
+        self,
+        originals: list[str],
+        lines: list[str],
+        target_prefix: list[list[int]] | None,
+        phrases: list[list[list[int]]] | None,
+    ) -> tuple[list[str], list[TmUse | None] | None]:
+        """Each line's TM match (its text as given, tags included: a TM segment holds its
+        tags); a line with a 100 % match and nothing asked of its output (no prefix, no
+        phrases) is not searched: its text is emptied here, and Prepared.finish puts the
+        TM's target, tags and all, in its place."""
+        if self.tm is None:
+            return lines, None
+        found: list[TmUse | None] = []
+        for i, original in enumerate(originals):
+            match = self.tm.best(original)
+            if match is None:
+                found.append(None)
+                continue
+            free = not (target_prefix and target_prefix[i]) and not (phrases and phrases[i])
+            exact = match.score == 1.0 and free
+            s = match.segment
+            found.append(TmUse(s.id, match.score, s.source, s.target, exact))
+            if exact:
+                lines[i] = ""
+        return lines, found
 
     def decode(
         self,

@@ -23,15 +23,21 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp
 
 from attnmt.decoding.translator import Translator
+from attnmt.errors import AttnmtError
 from attnmt.serve.http import AccessLog, HostCheck, error_response
+from attnmt.serve.requests import RequestError, check_json, read_body
 from attnmt.serve.route import PATH, TranslateRoute, openapi_operation
 from attnmt.serve.scheduler import Scheduler
-from attnmt.serve.schema import Limits
+from attnmt.serve.schema import MAX_SEGMENT_CHARS, ErrorResponse, Limits, TmEntry
 from attnmt.serve.workers import ForkedScheduler
+
+TM_BODY = 2 * 12 * MAX_SEGMENT_CHARS + 1024  # POST /tm's bytes at most (JSON-escaped text)
 
 
 def create_app(
@@ -42,13 +48,15 @@ def create_app(
     hosts: frozenset[str] | None = None,
     docs: bool = False,
     scheduler: Scheduler | ForkedScheduler | None = None,
+    tm_write: bool = False,
 ) -> ASGIApp:
     """The application: POST /translate (TranslateRoute), and in FastAPI GET / (the page),
     GET /health, the OpenAPI document at /openapi.json (and with docs, Swagger UI at /docs,
     which loads its scripts from a CDN); every error is {"error": message}; with access_log,
     one line per request on stderr;
     with hosts, a request whose Host header names another host is refused (400); `scheduler`:
-    the one whose run() the caller calls (else one searching in a thread of its own)."""
+    the one whose run() the caller calls (else one searching in a thread of its own);
+    `tm_write`: POST /tm stores approved pairs in the translator's TM (else 403)."""
     app = FastAPI(
         title="attnmt", summary=f"Translate with the attnmt model {name}".strip(),
         docs_url="/docs" if docs else None, redoc_url=None,
@@ -75,6 +83,32 @@ def create_app(
             "searching": scheduler.searching,
             "steps": scheduler.steps,
         }
+
+    @app.post(
+        "/tm", responses={403: {"model": ErrorResponse}, 404: {"model": ErrorResponse}},
+        openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+            "schema": TmEntry.model_json_schema()}}}},
+    )  # fmt: skip
+    async def tm_add(http: Request) -> JSONResponse:
+        """Store an approved pair (a post-edit), {"source", "target"}, in the TM (serve --tm
+        TM --tm-write): {"segment": its id}. Bounded, closed and strict as /translate."""
+        if translator.tm is None:
+            return error_response(404, "this server has no translation memory (serve --tm TM)")
+        if not tm_write:
+            return error_response(403, "the translation memory is read-only (serve --tm-write)")
+        try:
+            check_json(http)
+            entry = TmEntry.model_validate_json(await read_body(http, TM_BODY))
+            found = await run_in_threadpool(translator.tm.add, entry.source, entry.target, "http")
+        except RequestError as e:
+            return error_response(e.status, str(e))
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(x) for x in first["loc"])
+            return error_response(422, f"{where}: {first['msg']}" if where else first["msg"])
+        except AttnmtError as e:
+            return error_response(422, str(e))
+        return JSONResponse({"segment": found})
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:

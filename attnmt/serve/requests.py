@@ -9,6 +9,7 @@ import json
 import math
 import threading
 from concurrent.futures import Future
+from dataclasses import asdict
 from typing import Any
 
 from fastapi import Request
@@ -55,7 +56,7 @@ def check_json(http: Request) -> None:
     kind = http.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind != "application/json":
         raise RequestError(
-            415, f"content-type {kind or 'missing'}: POST /translate takes application/json"
+            415, f"content-type {kind or 'missing'}: POST {http.url.path} takes application/json"
         )
 
 
@@ -201,11 +202,16 @@ def request_options(translator: Translator, request: TranslateRequest) -> Search
     return translator.options(**api_arguments(asked, request.sampling is not None), attention=spec)
 
 
-def answer(results: list[list[Translation]], n_best: int, terms: bool = False) -> dict[str, Any]:
+def answer(
+    results: list[list[Translation]], n_best: int, terms: bool = False, tm: bool = False
+) -> dict[str, Any]:
     """The JSON answer: each line's best translation, with n_best above 1 its list, with
-    `terms` the terminology's terms each line's search applied, and where a line's search
-    left something out, each line's warnings."""
+    `terms` the terminology's terms each line's search applied, with `tm` each line's
+    translation memory match (or null), and where a line's search left something out, each
+    line's warnings."""
     out: dict[str, Any] = {"translations": [r[0].text for r in results]}
+    if tm:
+        out["tm"] = [None if r[0].tm is None else asdict(r[0].tm) for r in results]
     if terms:
         out["terms"] = [[t.__dict__ for t in r[0].terms] for r in results]
     if n_best > 1:

@@ -94,8 +94,9 @@ class TranslateRoute:
         except AttnmtError as e:
             return error_response(422, str(e))
         terms = translator.terminology is not None or request.terminology is not None
+        tm = translator.tm is not None
         if not request.text:
-            return _json(answer([], options.n_best, terms))
+            return _json(answer([], options.n_best, terms, tm))
         try:
             job = self.scheduler.submit(prepared)
         except queue.Full:
@@ -104,7 +105,7 @@ class TranslateRoute:
             job.cancelled = True  # the client left: its remaining lines are not searched
             return error_response(499, "client closed the request")
         results = job.future.result()
-        found = answer(results, options.n_best, terms)
+        found = answer(results, options.n_best, terms, tm)
         if request.alignments:
             found["alignments"] = [align(r[0]) for r in results]
         if request.attention:  # off the event loop: forced decoding is CPU work

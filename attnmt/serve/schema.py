@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from attnmt.data.tm import MAX_SEGMENT_CHARS
 from attnmt.decoding.options import OPTIONS, SAMPLING, DecodeOption
 from attnmt.decoding.translator import MAX_CONSTRAINTS
 
@@ -99,6 +100,22 @@ TranslateRequest = create_model(
 )  # fmt: skip
 
 
+class TmEntry(_Closed):
+    """POST /tm: an approved pair (a post-edit), stored in the server's translation memory
+    (serve --tm TM --tm-write); the next request for a similar sentence meets it."""
+
+    source: str = Field(min_length=1, max_length=MAX_SEGMENT_CHARS, description="The source.")
+    target: str = Field(min_length=1, max_length=MAX_SEGMENT_CHARS, description="Its translation.")
+
+
+class TmMatch(BaseModel):
+    segment: int = Field(description="The TM segment's id.")
+    score: float = Field(description="Its fuzzy score: 1 - word edit distance / words.")
+    source: str
+    target: str
+    exact: bool = Field(description="A 100 % match: the translation is the segment's target.")
+
+
 class Scored(BaseModel):
     text: str
     score: float
@@ -134,6 +151,10 @@ class TranslateResponse(BaseModel):
     attention: list[list[AttentionMap]] | None = Field(
         None, description="With attention: each line's maps, one per hypothesis (as n_best)."
     )
+    tm: list[TmMatch | None] | None = Field(
+        None, description="With serve --tm: each line's translation memory match (null: none "
+        "scoring serve --tm-threshold); an exact one is the line's translation.",
+    )  # fmt: skip
     warnings: list[list[str]] | None = Field(
         None, description="Where a line's search left something out (a source or prefix cut "
         "to a limit, constraints not met): per line, what, in the words translate prints on "
