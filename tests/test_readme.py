@@ -12,7 +12,7 @@ from attnmt.config import Config
 
 ROOT = Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
-MANUAL_PAGES = ["training", "translating", "serving", "exporting", "configuration"]
+MANUAL_PAGES = ["training", "translating", "serving", "exporting", "configuration", "tm"]
 MANUAL = "\n".join((ROOT / "docs" / f"{p}.md").read_text(encoding="utf-8") for p in MANUAL_PAGES)
 CONFIG_PAGE = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
 
@@ -53,10 +53,13 @@ def test_every_config_key_is_documented_with_its_default():
 def test_every_command_and_option_is_in_the_manual():
     for name, cmd in typer.main.get_command(app).commands.items():
         assert f"| `attnmt {name}" in README, f"attnmt {name}: a row of the README's table"
-        assert f"## `attnmt {name}" in MANUAL, f"attnmt {name}: a section of the manual"
-        for param in cmd.params:
-            if param.param_type_name == "option" and param.name != "help":
-                assert param.opts[0] in MANUAL, f"attnmt {name} {param.opts[0]}"
+        # a group (attnmt tm): each of its commands has its section and options
+        subs = getattr(cmd, "commands", {})
+        for full, found in [(f"{name} {s}", c) for s, c in subs.items()] or [(name, cmd)]:
+            assert f"## `attnmt {full}" in MANUAL, f"attnmt {full}: a section of the manual"
+            for param in found.params:
+                if param.param_type_name == "option" and param.name != "help":
+                    assert param.opts[0] in MANUAL, f"attnmt {full} {param.opts[0]}"
 
 
 def test_the_readme_is_a_front_door_linking_every_page():
