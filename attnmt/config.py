@@ -87,6 +87,21 @@ class TrainCorpus(SplitConfig):
     synthetic: bool = False
 
 
+class TmConfig(_Section):
+    """Training with translation memory matches (Neural Fuzzy Repair, Bulté & Tezcan 2019):
+    each training pair whose source has a match scoring `threshold` or more in the TM
+    (`path`, a TM file from attnmt tm import, or "self": the training corpora themselves,
+    each pair's own entry left out) is added once more, its source followed by <FM> and the
+    match's target (the best `k`, each behind its <FM>); the plain pairs are kept, and the
+    added ones are a corpus of their own of weight `weight`."""
+
+    path: Path | Literal["self"] = "self"
+    pair: str | None = None  # the TM's language pair, e.g. de-en (default: its only one)
+    threshold: float = Field(0.5, ge=0.0, le=1.0)
+    k: int = Field(1, ge=1, le=3)
+    weight: float = Field(1.0, gt=0.0, le=1e6)
+
+
 class DataConfig(_Section):
     # Every training config names both (load_config); an imported model's config names none.
     train: TrainCorpus | list[TrainCorpus] | None = None
@@ -94,6 +109,7 @@ class DataConfig(_Section):
     test: SplitConfig | list[SplitConfig] | None = None
     max_len: int = Field(100, ge=1, le=100_000)
     workers: int = Field(0, ge=0, le=256)  # encoding processes; 0: the cores available
+    tm: TmConfig | None = None  # train with translation memory matches (TmConfig)
 
     @model_validator(mode="after")
     def _some_corpus(self) -> DataConfig:
@@ -603,6 +619,8 @@ def resolve_paths(cfg: Config, base: Path) -> Config:
         for key in ("src", "tgt", "tsv"):
             if getattr(split, key) is not None:
                 setattr(split, key, (base / getattr(split, key)).absolute())
+    if data.tm is not None and data.tm.path != "self":
+        data.tm.path = (base / data.tm.path).absolute()
     tok = cfg.tokenizer.model_copy(deep=True)
     for key in ("model", "src_model", "tgt_model"):
         if getattr(tok, key) is not None:

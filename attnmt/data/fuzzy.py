@@ -19,6 +19,7 @@ from pathlib import Path
 from rapidfuzz.distance import Levenshtein
 
 from attnmt.data.tm import Segment, TranslationMemory
+from attnmt.data.tokenizer import FM_TAG
 
 WORD = re.compile(r"\w+|[^\w\s]")
 CANDIDATES = 60  # segments scored per lookup, chosen by the index
@@ -32,6 +33,12 @@ GOOD = 0.8  # a candidate this good ends the lookups
 class Match:
     segment: Segment
     score: float  # 1.0: the same source (a 100 % match)
+
+
+def augmented_source(source: str, targets: list[str]) -> str:
+    """What a model trained with data.tm reads (Neural Fuzzy Repair): the source, then each
+    match's target after FM_TAG; training (training.tm_pairs) and translation write it alike."""
+    return " ".join([source.strip(), *(f"{FM_TAG} {t.strip()}" for t in targets)])
 
 
 def words(text: str) -> list[str]:

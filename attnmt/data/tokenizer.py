@@ -37,6 +37,10 @@ def language_tag(lang: str) -> str:
 # al. 2019, https://arxiv.org/abs/1906.06442): reserved like the language tags, so no text
 # ever becomes it, and never put before a source that is translated.
 BT_TAG = "<BT>"
+# The source piece between a sentence and the target of its translation memory match (Neural
+# Fuzzy Repair, Bulté & Tezcan 2019): a model trained with data.tm reads "SOURCE <FM> MATCH".
+# Unlike the tags above it is text: the piece the text <FM> becomes (TmLookup adds it).
+FM_TAG = "<FM>"
 
 
 def train_sentencepiece(
@@ -143,7 +147,9 @@ def _user_defined_ids(proto: bytes) -> frozenset[int]:
 
     m = pb.ModelProto()
     m.ParseFromString(proto)
-    return frozenset(i for i, p in enumerate(m.pieces) if p.type == _USER_DEFINED)
+    return frozenset(
+        i for i, p in enumerate(m.pieces) if p.type == _USER_DEFINED and p.piece != FM_TAG
+    )
 
 
 def conform(proto: bytes, path: Path) -> bytes:
@@ -204,7 +210,8 @@ class SubwordVocab:
     def __init__(self, model_proto: bytes) -> None:
         self.proto = model_proto
         self.sp = spm.SentencePieceProcessor(model_proto=model_proto)
-        self.reserved = _user_defined_ids(model_proto)  # language tags: set by ids, never by text
+        # Language tags and <BT>: set by ids, never by text (FM_TAG is text).
+        self.reserved = _user_defined_ids(model_proto)
 
     def __len__(self) -> int:
         return self.sp.get_piece_size()
@@ -310,6 +317,11 @@ class Tokenizer:
         """The source id of the back-translation tag (BT_TAG), None if it has none."""
         i = self.src.sp.piece_to_id(BT_TAG)
         return i if i in self.src.reserved else None
+
+    def fm_id(self) -> int | None:
+        """The source id of the fuzzy-match separator (FM_TAG), None if it has none."""
+        i = self.src.sp.piece_to_id(FM_TAG)
+        return None if i == UNK_ID or self.src.sp.id_to_piece(i) != FM_TAG else i
 
     def tag_id(self, lang: str) -> int | None:
         """The source id of language `lang`'s tag (language_tag), None if it has none."""

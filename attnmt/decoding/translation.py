@@ -15,13 +15,15 @@ from attnmt.decoding.terminology import Term
 class TmUse:
     """The translation memory's segment a line met (translate --tm): its id, fuzzy score,
     source and target; `exact`: a 100 % match, returned as the translation without decoding
-    (as CAT tools do), else shown beside the model's translation."""
+    (as CAT tools do); `fed`: a fuzzy match given to a model trained with data.tm after its
+    line (Neural Fuzzy Repair); else shown beside the model's translation."""
 
     segment: int
     score: float
     source: str
     target: str
     exact: bool
+    fed: bool = False
 
 
 @dataclass

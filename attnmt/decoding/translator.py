@@ -21,7 +21,7 @@ from typing import TypeVar, cast
 import torch
 
 from attnmt.config import Config, LengthNorm
-from attnmt.data.fuzzy import TmLookup
+from attnmt.data.fuzzy import TmLookup, augmented_source
 from attnmt.data.processes import keep_freed_memory
 from attnmt.data.text import CHUNK_LINES, input_chunks
 from attnmt.data.tokenizer import UNK_ID, Tokenizer
@@ -376,7 +376,8 @@ class Translator:
         """Each line's TM match (its text as given, tags included: a TM segment holds its
         tags); a line with a 100 % match and nothing asked of its output (no prefix, no
         phrases) is not searched: its text is emptied here, and Prepared.finish puts the
-        TM's target, tags and all, in its place."""
+        TM's target, tags and all, in its place. A model trained with data.tm reads a fuzzy
+        match's target after its line (augmented_source)."""
         if self.tm is None:
             return lines, None
         found: list[TmUse | None] = []
@@ -388,9 +389,12 @@ class Translator:
             free = not (target_prefix and target_prefix[i]) and not (phrases and phrases[i])
             exact = match.score == 1.0 and free
             s = match.segment
-            found.append(TmUse(s.id, match.score, s.source, s.target, exact))
+            fed = not exact and self.cfg.data.tm is not None and lines[i] == original
+            found.append(TmUse(s.id, match.score, s.source, s.target, exact, fed))
             if exact:
                 lines[i] = ""
+            elif fed:  # a model trained with matches reads it after the line (no markup)
+                lines[i] = augmented_source(lines[i], [s.target])
         return lines, found
 
     def decode(

@@ -84,6 +84,26 @@ def create_app(
             "steps": scheduler.steps,
         }
 
+    _tm_route(app, translator, tm_write)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        # 404, 405: our shape, not {"detail"}
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(500, f"{type(exc).__name__}: {exc}")
+
+    served: ASGIApp = TranslateRoute(app, translator, scheduler, limits)
+    if hosts is not None:
+        served = HostCheck(served, hosts)
+    return AccessLog(served) if access_log else served
+
+
+def _tm_route(app: FastAPI, translator: Translator, tm_write: bool) -> None:
+    """POST /tm: an approved pair stored in the translator's TM (serve --tm --tm-write)."""
+
     @app.post(
         "/tm", responses={403: {"model": ErrorResponse}, 404: {"model": ErrorResponse}},
         openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
@@ -109,20 +129,6 @@ def create_app(
         except AttnmtError as e:
             return error_response(422, str(e))
         return JSONResponse({"segment": found})
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        # 404, 405: our shape, not {"detail"}
-        return error_response(exc.status_code, str(exc.detail))
-
-    @app.exception_handler(Exception)
-    async def failed(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(500, f"{type(exc).__name__}: {exc}")
-
-    served: ASGIApp = TranslateRoute(app, translator, scheduler, limits)
-    if hosts is not None:
-        served = HostCheck(served, hosts)
-    return AccessLog(served) if access_log else served
 
 
 def _document(app: FastAPI) -> None:

@@ -114,6 +114,7 @@ class TmMatch(BaseModel):
     source: str
     target: str
     exact: bool = Field(description="A 100 % match: the translation is the segment's target.")
+    fed: bool = Field(description="Given to a model trained with matches after the line.")
 
 
 class Scored(BaseModel):

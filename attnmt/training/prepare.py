@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from attnmt.config import Config, DataConfig, SplitConfig, from_dict, read_yaml
+from attnmt.config import Config, DataConfig, SplitConfig, TrainCorpus, from_dict, read_yaml
 from attnmt.data.processes import run_in_child
 from attnmt.data.store import (
     STORE_DIR,
@@ -19,12 +19,13 @@ from attnmt.data.store import (
     open_store,
 )
 from attnmt.data.text import ParallelText, read_split_text
-from attnmt.data.tokenizer import BT_TAG, Tokenizer, language_tag
+from attnmt.data.tokenizer import BT_TAG, FM_TAG, Tokenizer, language_tag
 from attnmt.errors import ConfigError, DataError
 from attnmt.models.directory import CONFIG_FILE, check_same_base, write_run_files
 from attnmt.training import distributed
 from attnmt.training.resume import check_resumable
 from attnmt.training.runlog import RunLog, log_data
+from attnmt.training.tm_pairs import TM_PAIRS, write_tm_pairs
 
 
 @dataclass
@@ -75,6 +76,9 @@ def prepare_data(
     (rank 0; reused by --resume after checking that the files did not change; the other ranks
     map it), and read and encode the dev sets."""
     data = cfg.data
+    if data.tm is not None and data.tm.path != "self" and not Path(data.tm.path).is_file():
+        raise ConfigError(f"data.tm.path: no translation memory at {data.tm.path} "
+                          "(attnmt tm import FILE --db TM makes one)")  # fmt: skip
     files = [f for split in (*data.corpora, *data.dev_sets) for f in split.files]
     texts = [read_split_text(split) for split in data.dev_sets]
     for split, text in zip(data.dev_sets, texts, strict=True):
@@ -83,6 +87,8 @@ def prepare_data(
     if resuming:
         check_resumable(from_dict(read_yaml(out / CONFIG_FILE)), cfg)
         check_same_base(out, cfg)
+        if data.tm is not None:  # the store was made from it too: it must be unchanged
+            files.append(out / TM_PAIRS)
     if ranks.is_main:
         tokenizer = make_tokenizer(cfg, out, resuming)
         write_run_files(out, cfg, tokenizer)  # on resume: the config's resumable changes
@@ -107,6 +113,7 @@ def make_tokenizer(cfg: Config, out: Path, resuming: bool) -> Tokenizer:
     joint, langs = cfg.tokenizer.joint, cfg.data.target_langs
     tags = [language_tag(lang) for lang in langs] if cfg.data.multilingual else []
     bt = [BT_TAG] if cfg.data.synthetic else []
+    fm = [FM_TAG] if cfg.data.tm is not None else []
     if resuming:
         tokenizer, source = Tokenizer.load(out, joint), f"--out {out}"
     elif cfg.train.init_from is not None:
@@ -115,8 +122,11 @@ def make_tokenizer(cfg: Config, out: Path, resuming: bool) -> Tokenizer:
     elif cfg.tokenizer.given is not None:
         tokenizer, source = Tokenizer.from_files(cfg.tokenizer.given), "tokenizer.model"
     else:
-        return Tokenizer.train_on_files(cfg.data.corpora, cfg.tokenizer, cfg.train.seed, tags + bt)
+        symbols = tags + bt + fm
+        return Tokenizer.train_on_files(cfg.data.corpora, cfg.tokenizer, cfg.train.seed, symbols)
     missing = [tag for tag, lang in zip(tags, langs, strict=True) if tokenizer.tag_id(lang) is None]
+    if cfg.data.tm is not None and tokenizer.fm_id() is None:
+        missing.append(FM_TAG)
     if bt and tokenizer.bt_id() is None:
         raise ConfigError(
             f"data.train: a corpus is synthetic, but {source} has no {BT_TAG} piece to mark its "
@@ -154,13 +164,20 @@ def ensure_store(
     protos = (tokenizer.src.proto, tokenizer.tgt.proto)
     workers = data.workers or default_workers()
     bt = tokenizer.bt_id()
+    corpora = list(data.corpora)
     prefixes = [
         [*source_prefix(data, tokenizer, c.tgt_lang), *([bt] if c.synthetic else [])]
-        for c in data.corpora
+        for c in corpora
     ]
+    if data.tm is not None:  # the pairs with their TM matches: a corpus of their own
+        corpora.append(
+            TrainCorpus(tsv=write_tm_pairs(data, out, log), tgt_lang=corpora[0].tgt_lang)
+        )
+        prefixes.append(prefixes[0])
+        files = [*files, corpora[-1].tsv]
 
     def encode() -> bytes:
-        build_store(out, list(data.corpora), protos, data.max_len, workers, files, prefixes)
+        build_store(out, corpora, protos, data.max_len, workers, files, prefixes)
         return b""
 
     run_in_child(encode)

@@ -194,17 +194,15 @@ def log_corpora(log: RunLog, cfg: Config, sampler: BucketSampler) -> None:
     """The `corpora` event: each training corpus's pairs, weight and share of an epoch."""
     shares = sampler.shares()
     total = max(1, sum(shares))
+    named = [(str(c.name), c.direction, c.weight) for c in cfg.data.corpora]
+    if cfg.data.tm is not None:  # the pairs with their TM matches (training.tm_pairs)
+        named.append(("tm_pairs.tsv", "with TM matches", cfg.data.tm.weight))
     rows = [
-        {
-            "corpus": str(c.name),
-            "direction": c.direction,
-            "pairs": n,
-            "weight": c.weight,
-            "per_epoch": k,
-            "share": k / total,
-        }
-        for c, n, k in zip(cfg.data.corpora, sampler.corpus_pairs, shares, strict=True)
-    ]
+        {"corpus": name, "direction": direction, "pairs": n, "weight": weight,
+         "per_epoch": k, "share": k / total}
+        for (name, direction, weight), n, k in zip(named, sampler.corpus_pairs, shares,
+                                                    strict=True)
+    ]  # fmt: skip
     log.event(
         "corpora",
         "corpora: " + "; ".join(

@@ -140,9 +140,10 @@ def setup(
         t.seed,
         max_sentences=t.batch_sentences,
         corpus_pairs=train_data.meta.get("corpus_pairs") or [len(train_data)],
-        weights=[c.weight for c in cfg.data.corpora],
+        weights=[c.weight for c in cfg.data.corpora]
+        + ([cfg.data.tm.weight] if cfg.data.tm is not None else []),
     )
-    if len(cfg.data.corpora) > 1:
+    if len(sampler.corpus_pairs) > 1:
         log_corpora(log, cfg, sampler)
     precision = resolve_precision(t.precision, device)
     run = Run(
