@@ -9,7 +9,7 @@
     python scripts/bench.py data [--pairs 1000000] [--steps 20] [--tatoeba TSV] [--work DIR]
     python scripts/bench.py serve --model DIR [--clients 1,8,32] [--sizes 1,16] [--eole CKPT]
                                   [--beam 5] [--threads 2] [--batch-wait-ms 5] [--workers 1]
-                                  [--precision int8]
+                                  [--precision int8] [--tm TM]
     python scripts/bench.py decode --model DIR [--model DIR ...] [--data DIR] [--runs N]
                                    [--beams 1,5] [--batch-sentences 64] [--max-len 60]
                                    [--threads 2] [--workers 1[,2]] [--precision fp32]
@@ -273,6 +273,7 @@ def main() -> int:
     v.add_argument("--batch-wait-ms", type=float, default=5.0, help="attnmt serve --batch-wait-ms")
     v.add_argument("--workers", type=int, default=1, help="attnmt serve --workers (processes)")
     v.add_argument("--precision", default="", help="attnmt serve --precision (default: config)")
+    v.add_argument("--tm", type=Path, help="also measure the server with this TM (serve --tm)")
     v.add_argument("--eole", type=Path, help="measure `eole serve` with this checkpoint instead")
     v.add_argument("--eole-python", type=Path, help="the eole venv's python")
     v.add_argument("--eole-spm", type=Path, help="the SentencePiece model of its data")

@@ -41,13 +41,14 @@ def free_port() -> int:
 
 
 def start_server(
-    model: Path, port: int, wait_ms: float, threads: int, workers: int = 1, precision: str = ""
-) -> subprocess.Popen:
+    model: Path, port: int, wait_ms: float, threads: int, workers: int = 1, precision: str = "",
+    extra: tuple[str, ...] = (),
+) -> subprocess.Popen:  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "attnmt", "serve", "-m", str(model), "--port", str(port),
          "--device", "cpu", "--max-queue", "4096", "--batch-wait-ms", str(wait_ms),
-         "--workers", str(workers), *(["--precision", precision] if precision else [])],
+         "--workers", str(workers), *(["--precision", precision] if precision else []), *extra],
         env=env,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -214,17 +215,20 @@ def bench_serve(args: argparse.Namespace) -> None:
         return bench_eole(args, sentences)
     chunks = [c for c in args.clients if c > 1]
     cli = cli_rate(args.model, sentences, args.beam, args.threads, chunks, args.precision)
-    port = free_port()
-    proc = start_server(
-        args.model, port, args.batch_wait_ms, args.threads, args.workers, args.precision
-    )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        body = lambda chunk: {"text": chunk, "beam": args.beam}  # noqa: E731
-        rows(url, "/translate", body, sentences, args, cli)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    # With --tm: the server without it, then with it (serve --tm), in the same run.
+    for extra in [()] + ([("--tm", str(args.tm))] if args.tm is not None else []):
+        port = free_port()
+        proc = start_server(
+            args.model, port, args.batch_wait_ms, args.threads, args.workers, args.precision,
+            extra,
+        )  # fmt: skip
+        try:
+            url = f"http://127.0.0.1:{port}"
+            body = lambda chunk: {"text": chunk, "beam": args.beam}  # noqa: E731
+            rows(url, "/translate", body, sentences, args, cli, tm=bool(extra))
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
 
 
 def rows(
@@ -234,6 +238,7 @@ def rows(
     sentences: list[str],
     args: argparse.Namespace,
     batch: tuple[float, dict[int, tuple[float, float]]],
+    tm: bool = False,
 ) -> None:
     """Warm up, measure the idle latency, then one JSON line per (clients, size), against the
     batch path (`batch`: cli_rate's, or a peer's rate and no chunked rates)."""
@@ -245,6 +250,7 @@ def rows(
             row = load(url, path, body, sentences, clients, size)
             row |= {
                 "beam": args.beam,
+                "tm": tm,
                 "batch_wait_ms": args.batch_wait_ms,
                 "workers": getattr(args, "workers", 1),
                 "batch_sentences_per_s": round(batch, 1),

@@ -43,14 +43,15 @@ def import_command(
     from attnmt.data.tm import TranslationMemory
     from attnmt.interop.tmx import read_tmx, read_tsv
 
+    attributes = None
     if file.suffix.lower() == ".tmx":
-        pairs, src_lang, tgt_lang = read_tmx(file, src_lang, tgt_lang)
+        pairs, attributes, src_lang, tgt_lang = read_tmx(file, src_lang, tgt_lang)
     else:
         if src_lang is None or tgt_lang is None:
             raise AttnmtError(f"{file}: a TSV names no languages: give --src-lang and --tgt-lang")
         pairs = read_tsv(file)
     with TranslationMemory(db, create=True) as tm:
-        added = tm.add_many(pairs, src_lang, tgt_lang, origin or file.name)
+        added = tm.add_many(pairs, src_lang, tgt_lang, origin or file.name, attributes)
     typer.echo(f"{db}: {added:,} new segments {src_lang}-{tgt_lang} of {len(pairs):,} in {file}")
 
 

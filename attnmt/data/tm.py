@@ -10,6 +10,7 @@ source and target: importing a file twice adds nothing.
 
 from __future__ import annotations
 
+import itertools
 import sqlite3
 import time
 from collections.abc import Iterable, Iterator
@@ -28,6 +29,7 @@ CREATE TABLE IF NOT EXISTS segments (
     target TEXT NOT NULL,
     origin TEXT NOT NULL,
     created REAL NOT NULL,
+    attributes TEXT NOT NULL DEFAULT '{}',
     UNIQUE (src_lang, tgt_lang, source, target)
 );
 CREATE INDEX IF NOT EXISTS segments_exact ON segments (src_lang, tgt_lang, source);
@@ -55,6 +57,7 @@ class Segment:
     target: str
     origin: str
     created: float  # seconds since the epoch
+    attributes: str = "{}"  # JSON: what a TMX unit carried besides its text (interop.tmx)
 
 
 class TranslationMemory:
@@ -107,16 +110,26 @@ class TranslationMemory:
         self.close()
 
     def add_many(
-        self, pairs: Iterable[tuple[str, str]], src_lang: str, tgt_lang: str, origin: str
+        self,
+        pairs: Iterable[tuple[str, str]],
+        src_lang: str,
+        tgt_lang: str,
+        origin: str,
+        attributes: Iterable[str] | None = None,
     ) -> int:
         """Add (source, target) pairs in one transaction (all or none); returns how many were
-        new. Each is checked first: neither side empty nor longer than MAX_SEGMENT_CHARS."""
+        new. Each is checked first: neither side empty nor longer than MAX_SEGMENT_CHARS.
+        `attributes`: per pair, JSON kept with it (a TMX unit's attributes, props, notes)."""
         now = time.time()
-        rows = ((src_lang, tgt_lang, *_checked(s, t), origin, now) for s, t in pairs)
+        extra = attributes if attributes is not None else itertools.repeat("{}")
+        rows = (
+            (src_lang, tgt_lang, *_checked(s, t), origin, now, a)
+            for (s, t), a in zip(pairs, extra, strict=False)  # extra: repeat, or one a pair
+        )
         with self.db:
             done = self.db.executemany(
                 "INSERT OR IGNORE INTO segments (src_lang, tgt_lang, source, target, origin, "
-                "created) VALUES (?, ?, ?, ?, ?, ?)",
+                "created, attributes) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 rows,
             )
         return done.rowcount  # the segments' rows: the index's, by trigger, do not count

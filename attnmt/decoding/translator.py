@@ -364,7 +364,15 @@ class Translator:
         (not decoded), a match scoring `threshold` or more is reported beside it."""
         if not isinstance(threshold, int | float) or not 0.0 <= threshold <= 1.0:
             raise AttnmtError(f"threshold {threshold!r}: expected a number from 0 to 1")
-        self.tm = TmLookup.open(Path(path), pair, threshold)
+        lookup = TmLookup.open(Path(path), pair, threshold)
+        named = [(c.src_lang, c.tgt_lang) for c in self.cfg.data.corpora]
+        if named and all(named[0]) and lookup.pair not in named:  # the model's languages
+            lookup.tm.close()
+            raise AttnmtError(
+                f"{path}: a TM of {'-'.join(lookup.pair)}; this model translates "
+                f"{'-'.join(named[0])} (--tm-pair)"  # type: ignore[arg-type]
+            )
+        self.tm = lookup
 
     def _tm_matches(
         self,

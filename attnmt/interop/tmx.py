@@ -4,6 +4,7 @@ a line). What `attnmt tm import` and `attnmt tm export` read and write."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -31,11 +32,16 @@ def same_language(code: str, wanted: str) -> bool:
 
 def read_tmx(
     path: Path, src_lang: str | None, tgt_lang: str | None
-) -> tuple[list[tuple[str, str]], str, str]:
+) -> tuple[list[tuple[str, str]], list[str], str, str]:
     """A TMX file's (source, target) pairs for one language pair (default: the header's
-    srclang, into the one other language its units hold), and that pair. Units without both
-    languages are skipped; inline tags come as the text CAT tools show (`<b>Hund</b>`)."""
+    srclang, into the one other language its units hold), each unit's attributes, props and
+    notes as JSON (kept, and written back by tmx_bytes), and that pair. Units without both
+    languages are skipped; inline tags come as the text CAT tools show (`<b>Hund</b>`). A file
+    that declares entities is refused (entity expansion bombs, external entities)."""
     check_input(path)
+    head = path.read_bytes()[: 1 << 20]
+    if b"<!ENTITY" in head.split(b"<tmx", 1)[0].upper():
+        raise AttnmtError(f"{path}: declares XML entities; a TMX file needs none (refused)")
     try:
         store = _tmx().tmxfile.parsefile(str(path))
     except Exception as e:  # lxml's XMLSyntaxError names the line
@@ -53,13 +59,28 @@ def read_tmx(
         if len(others) != 1:
             raise AttnmtError(f"{path}: give --tgt-lang (it holds {', '.join(sorted(others))})")
         tgt_lang = others.pop()
-    pairs = []
-    for unit in units:
-        src = [t for c, t in unit if same_language(c, src_lang)]
-        tgt = [t for c, t in unit if same_language(c, tgt_lang)]
+    pairs, attributes = [], []
+    for unit, texts in zip(store.units, units, strict=True):
+        src = [t for c, t in texts if same_language(c, src_lang)]
+        tgt = [t for c, t in texts if same_language(c, tgt_lang)]
         if src and tgt and src[0].strip() and tgt[0].strip():
             pairs.append((src[0], tgt[0]))
-    return pairs, src_lang.split("-")[0].lower(), tgt_lang.split("-")[0].lower()
+            attributes.append(_kept(unit.xmlelement))
+    if not pairs and units:
+        raise AttnmtError(f"{path}: no unit holds both {src_lang} and {tgt_lang}")
+    return pairs, attributes, src_lang.split("-")[0].lower(), tgt_lang.split("-")[0].lower()
+
+
+def _kept(tu: Any) -> str:
+    """A <tu>'s attributes, <prop>s and <note>s as JSON."""
+    props = [[p.get("type", ""), p.text or ""] for p in tu if _local(p.tag) == "prop"]
+    notes = [n.text or "" for n in tu if _local(n.tag) == "note"]
+    return json.dumps({"tu": dict(tu.attrib), "props": props, "notes": notes},
+                      ensure_ascii=False, sort_keys=True)  # fmt: skip
+
+
+def _local(tag: object) -> str:
+    return str(tag).rsplit("}", 1)[-1]
 
 
 def read_tsv(path: Path) -> list[tuple[str, str]]:
@@ -78,12 +99,24 @@ def read_tsv(path: Path) -> list[tuple[str, str]]:
 
 
 def tmx_bytes(segments: Iterable[Segment], src_lang: str, tgt_lang: str) -> bytes:
-    """The segments as a TMX 1.4 document (each unit with its origin as a note)."""
+    """The segments as a TMX 1.4 document: each unit with the attributes, props and notes
+    it was imported with (else its origin as a note)."""
+    from lxml import etree
+
     store = _tmx().tmxfile(sourcelanguage=src_lang, targetlanguage=tgt_lang)
     for segment in segments:
         unit = store.addsourceunit(segment.source)
         unit.target = segment.target
-        unit.addnote(segment.origin)
+        kept = json.loads(segment.attributes or "{}")
+        tu = unit.xmlelement
+        for key, value in kept.get("tu", {}).items():
+            tu.set(key, value)
+        for i, (kind, text) in enumerate(kept.get("props", [])):
+            prop = etree.Element("prop", type=kind)
+            prop.text = text
+            tu.insert(i, prop)
+        for note in kept.get("notes") or [segment.origin]:
+            unit.addnote(note)
     return bytes(store)
 
 

@@ -174,3 +174,95 @@ def test_tm_commands_refuse_bad_input_in_one_line(tmp_path: Path, run_cli):
     broken.write_text("<tmx><body><tu>", encoding="utf-8")
     assert_user_error(run_cli("tm", "import", str(broken), "--db", str(db)), "not a TMX file")
     assert_user_error(run_cli("tm", "stats", "--db", str(tmp_path / "none.db")), "no translation")
+
+
+OTHER_TOOL_TMX = """<?xml version="1.0" encoding="UTF-8"?>
+<!DOCTYPE tmx SYSTEM "tmx14.dtd">
+<tmx version="1.4">
+<header creationtool="SomeCAT" creationtoolversion="9" datatype="plaintext" segtype="sentence"
+ adminlang="en-US" srclang="de-DE" o-tmf="SomeCAT TM"/>
+<body>
+<tu tuid="17" creationdate="20240102T101500Z" creationid="anna" usagecount="3">
+<prop type="x-project">Handbuch</prop>
+<note>approved</note>
+<tuv xml:lang="de-DE"><seg>Der Drucker ist bereit.</seg></tuv>
+<tuv xml:lang="en-US"><seg>The printer is ready.</seg></tuv>
+</tu>
+<tu tuid="18" creationdate="20240103T090000Z">
+<tuv xml:lang="de-DE"><seg>Papier einlegen.</seg></tuv>
+<tuv xml:lang="en-US"><seg>Load paper.</seg></tuv>
+</tu>
+</body>
+</tmx>
+"""
+
+
+def test_a_tmx_of_another_tool_round_trips_with_its_attributes(tmp_path: Path, run_cli):
+    pytest.importorskip("translate.storage.tmx")
+    from lxml import etree
+
+    given, db, out = tmp_path / "cat.tmx", tmp_path / "tm.db", tmp_path / "out.tmx"
+    given.write_text(OTHER_TOOL_TMX, encoding="utf-8")
+    assert run_cli("tm", "import", str(given), "--db", str(db)).code == 0
+    assert run_cli("tm", "export", str(out), "--db", str(db)).code == 0
+    tus = etree.parse(str(out)).getroot().iter("tu")
+    first = next(tus)
+    assert first.get("tuid") == "17" and first.get("creationid") == "anna"
+    assert first.get("usagecount") == "3" and first.get("creationdate") == "20240102T101500Z"
+    assert [(p.get("type"), p.text) for p in first.iter("prop")] == [("x-project", "Handbuch")]
+    assert [n.text for n in first.iter("note")] == ["approved"]
+    assert next(tus).get("tuid") == "18"
+    with TranslationMemory(db) as tm:
+        found = [(s.source, s.target) for s in tm.segments()]
+    assert found == [("Der Drucker ist bereit.", "The printer is ready."),
+                     ("Papier einlegen.", "Load paper.")]  # fmt: skip
+
+
+BOMB = """<?xml version="1.0"?>
+<!DOCTYPE tmx [<!ENTITY a "aaaaaaaaaa"><!ENTITY b "&a;&a;&a;&a;&a;&a;&a;&a;&a;&a;">
+<!ENTITY c "&b;&b;&b;&b;&b;&b;&b;&b;&b;&b;"><!ENTITY d "&c;&c;&c;&c;&c;&c;&c;&c;&c;&c;">]>
+<tmx version="1.4"><header srclang="de"/><body><tu><tuv xml:lang="de"><seg>&d;</seg></tuv>
+<tuv xml:lang="en"><seg>x</seg></tuv></tu></body></tmx>
+"""
+XXE = """<?xml version="1.0"?>
+<!DOCTYPE tmx [<!ENTITY secret SYSTEM "file:///etc/hostname">]>
+<tmx version="1.4"><header srclang="de"/><body><tu><tuv xml:lang="de"><seg>&secret;</seg>
+</tuv><tuv xml:lang="en"><seg>x</seg></tuv></tu></body></tmx>
+"""
+
+
+@pytest.mark.parametrize("text", [BOMB, XXE], ids=["entity bomb", "external entity"])
+def test_a_tmx_declaring_entities_is_refused_and_nothing_written(tmp_path, run_cli, text):
+    pytest.importorskip("translate.storage.tmx")
+    given, db = tmp_path / "evil.tmx", tmp_path / "tm.db"
+    given.write_text(text, encoding="utf-8")
+    assert_user_error(run_cli("tm", "import", str(given), "--db", str(db)), "entities")
+    assert not db.exists()
+
+
+def test_a_tm_of_another_language_pair_is_one_line_and_nothing_written(tmp_path, run_cli):
+    pytest.importorskip("translate.storage.tmx")
+    given, db = tmp_path / "cat.tmx", tmp_path / "tm.db"
+    given.write_text(OTHER_TOOL_TMX, encoding="utf-8")
+    wrong = ("--src-lang", "fr", "--tgt-lang", "en")
+    result = run_cli("tm", "import", str(given), "--db", str(db), *wrong)
+    assert_user_error(result, "no unit holds both fr and en")
+    assert not db.exists()
+
+
+def test_kill_9_during_an_import_leaves_all_or_nothing(tmp_path: Path):
+    tsv, db = tmp_path / "big.tsv", tmp_path / "tm.db"
+    tsv.write_text("".join(f"Satz {i} ist hier.\tSentence {i} is here.\n" for i in range(200_000)))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "attnmt", "tm", "import", str(tsv), "--db", str(db),
+         "--src-lang", "de", "--tgt-lang", "en"], stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not (db.parent / "tm.db-wal").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.5)  # inside its one transaction
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    with TranslationMemory(db) as tm:
+        assert tm.db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        assert tm.stats()["segments"] in (0, 200_000)
