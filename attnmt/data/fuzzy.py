@@ -51,16 +51,23 @@ def fuzzy_score(a: str, b: str) -> float:
 
 
 def best_matches(
-    tm: TranslationMemory, source: str, pair: tuple[str, str], k: int = 1, threshold: float = 0.5
+    tm: TranslationMemory,
+    source: str,
+    pair: tuple[str, str],
+    k: int = 1,
+    threshold: float = 0.5,
+    leave_out: tuple[str, str] | None = None,
 ) -> list[Match]:
     """The k segments of `pair` whose sources are most like `source`, best first, each
-    scoring at least `threshold`; an exact match (the newest) first with 1.0."""
+    scoring at least `threshold`; an exact match (the newest) first with 1.0. `leave_out`:
+    a (source, target) segment never returned (a training pair's own entry)."""
     source = source.strip()
     if not source:
         return []
     found: dict[int, Match] = {}
+    left = {-1} if leave_out is None else {s.id for s in tm.same(*leave_out, pair)}
     exact = tm.exact(source, pair)
-    if exact is not None:
+    if exact is not None and exact.id not in left:
         found[exact.id] = Match(exact, 1.0)
     terms = sorted({w.lower() for w in words(source) if w.isalnum()})
     df = tm.document_frequencies(terms)
@@ -76,7 +83,7 @@ def best_matches(
     lookups.append((" OR ", [t for t in rare if df[t] <= common] or rare[:1]))
     for joint, looked_up in lookups:
         for segment in _holding(tm, looked_up, joint, pair):
-            if segment.id not in found:
+            if segment.id not in found and segment.id not in left:
                 found[segment.id] = Match(segment, fuzzy_score(source, segment.source))
         if any(m.score >= GOOD for m in found.values()):
             break

@@ -166,6 +166,14 @@ class TranslationMemory:
         ).fetchone()
         return None if row is None else Segment(*row)
 
+    def same(self, source: str, target: str, pair: tuple[str, str]) -> list[Segment]:
+        """The segment of exactly this pair, if there is one (as a list)."""
+        rows = self.db.execute(
+            "SELECT * FROM segments WHERE src_lang=? AND tgt_lang=? AND source=? AND target=?",
+            (*pair, source.strip(), target.strip()),
+        )
+        return [Segment(*row) for row in rows]
+
     def pairs(self) -> dict[tuple[str, str], int]:
         """Segments per language pair."""
         rows = self.db.execute(

@@ -55,11 +55,10 @@ def _augmented(data: DataConfig, out: Path, pairs: list[tuple[str, str]]) -> Ite
             pair = tm.pair(tm_cfg.pair)
     with TranslationMemory(db) as tm:
         for source, target in pairs:
-            found = best_matches(tm, source, pair, tm_cfg.k + 1, tm_cfg.threshold)
-            own = [m for m in found if (m.segment.source, m.segment.target)
-                   != (source.strip(), target.strip())][: tm_cfg.k]  # fmt: skip
-            if own and "\t" not in source + target:
-                matches = [m.segment.target for m in own]
+            own = (source, target)  # its own entry (the TM may hold the pair): left out
+            found = best_matches(tm, source, pair, tm_cfg.k, tm_cfg.threshold, own)
+            if found and "\t" not in source + target:
+                matches = [m.segment.target for m in found]
                 yield f"{augmented_source(source, matches)}\t{target.strip()}\n"
     if tm_cfg.path == "self":
         db.unlink(missing_ok=True)
