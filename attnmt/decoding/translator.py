@@ -21,7 +21,7 @@ from typing import TypeVar, cast
 import torch
 
 from attnmt.config import Config, LengthNorm
-from attnmt.data.fuzzy import TmLookup, augmented_source
+from attnmt.data.fuzzy import TmLookup
 from attnmt.data.processes import keep_freed_memory
 from attnmt.data.text import CHUNK_LINES, input_chunks
 from attnmt.data.tokenizer import UNK_ID, Tokenizer
@@ -29,6 +29,7 @@ from attnmt.decoding.alignment import DEFAULT_LAYER, align
 from attnmt.decoding.ensemble import Ensemble
 from attnmt.decoding.forced import ForcedScore, attention_maps, score_pairs
 from attnmt.decoding.markup import parse
+from attnmt.decoding.memory import open_tm, tm_matches
 from attnmt.decoding.options import OPTIONS, SAMPLING_NAMES
 from attnmt.decoding.precision import for_decoding
 from attnmt.decoding.request import Prepared
@@ -37,7 +38,7 @@ from attnmt.decoding.search import Beam, Sampling, SearchOptions, search_options
 from attnmt.decoding.shortlist import Shortlist, attach, load_shortlist
 from attnmt.decoding.terminology import Term, Terminology
 from attnmt.decoding.translate import LinePool, search_lines
-from attnmt.decoding.translation import TmUse, Translation
+from attnmt.decoding.translation import Translation
 from attnmt.device import (
     DECODE_PRECISIONS,
     DEVICES,
@@ -353,7 +354,9 @@ class Translator:
             lines, trees = [text for text, _ in parsed], [tree for _, tree in parsed]
             options = replace(options, attention=options.attention or self.alignment_spec())
         terms, phrases = self._constraints(lines, constraints, options, first_line, glossary)
-        lines, matches = self._tm_matches(originals, list(lines), target_prefix, phrases)
+        lines, matches = tm_matches(
+            self.tm, self.cfg.data.tm is not None, originals, list(lines), target_prefix, phrases
+        )
         return Prepared(
             options, lines, source_prefix, target_prefix, terms, phrases, trees, matches
         )
@@ -361,49 +364,9 @@ class Translator:
     def use_tm(self, path: Path, pair: str | None = None, threshold: float = 0.5) -> None:
         """Consult the translation memory at `path` (of language pair `pair`, "de-en";
         default: its only one) for every line from now on: a 100 % match is the translation
-        (not decoded), a match scoring `threshold` or more is reported beside it."""
-        if not isinstance(threshold, int | float) or not 0.0 <= threshold <= 1.0:
-            raise AttnmtError(f"threshold {threshold!r}: expected a number from 0 to 1")
-        lookup = TmLookup.open(Path(path), pair, threshold)
-        named = [(c.src_lang, c.tgt_lang) for c in self.cfg.data.corpora]
-        if named and all(named[0]) and lookup.pair not in named:  # the model's languages
-            lookup.tm.close()
-            raise AttnmtError(
-                f"{path}: a TM of {'-'.join(lookup.pair)}; this model translates "
-                f"{'-'.join(named[0])} (--tm-pair)"  # type: ignore[arg-type]
-            )
-        self.tm = lookup
-
-    def _tm_matches(
-        self,
-        originals: list[str],
-        lines: list[str],
-        target_prefix: list[list[int]] | None,
-        phrases: list[list[list[int]]] | None,
-    ) -> tuple[list[str], list[TmUse | None] | None]:
-        """Each line's TM match (its text as given, tags included: a TM segment holds its
-        tags); a line with a 100 % match and nothing asked of its output (no prefix, no
-        phrases) is not searched: its text is emptied here, and Prepared.finish puts the
-        TM's target, tags and all, in its place. A model trained with data.tm reads a fuzzy
-        match's target after its line (augmented_source)."""
-        if self.tm is None:
-            return lines, None
-        found: list[TmUse | None] = []
-        for i, original in enumerate(originals):
-            match = self.tm.best(original)
-            if match is None:
-                found.append(None)
-                continue
-            free = not (target_prefix and target_prefix[i]) and not (phrases and phrases[i])
-            exact = match.score == 1.0 and free
-            s = match.segment
-            fed = not exact and self.cfg.data.tm is not None and lines[i] == original
-            found.append(TmUse(s.id, match.score, s.source, s.target, exact, fed))
-            if exact:
-                lines[i] = ""
-            elif fed:  # a model trained with matches reads it after the line (no markup)
-                lines[i] = augmented_source(lines[i], [s.target])
-        return lines, found
+        (not decoded), a match scoring `threshold` or more is reported beside it (and given
+        to a model trained with data.tm after its line)."""
+        self.tm = open_tm(path, pair, threshold, self.cfg)
 
     def decode(
         self,

@@ -4,6 +4,8 @@ a loopback port, where POST /tm stores a post-edit the next request uses."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 
 from attnmt import Translator
@@ -82,3 +84,42 @@ def test_serve_answers_from_the_tm_and_stores_post_edits(tmp_path, trained):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_kill_9_during_a_burst_of_post_edits_keeps_every_acknowledged_one(tmp_path, trained):
+    """POST /tm from 4 clients at once, the server killed (SIGKILL) mid-burst: every pair it
+    answered 200 for is in the TM, which opens sound."""
+    import signal
+    import threading
+
+    model, corpus = trained
+    make_tm(tmp_path / "tm.db", corpus)
+    proc, url = serve(model, "--tm", str(tmp_path / "tm.db"), "--tm-write")
+    acknowledged: list[str] = []
+
+    def client(n: int) -> None:
+        with httpx.Client(timeout=10) as http:
+            for i in range(10_000):
+                source = f"w{n} post edit {i}"
+                try:
+                    got = http.post(f"{url}/tm", json={"source": source, "target": f"t{i}"})
+                except httpx.TransportError:
+                    return
+                if got.status_code == 200:
+                    acknowledged.append(source)
+
+    clients = [threading.Thread(target=client, args=(n,)) for n in range(4)]
+    for c in clients:
+        c.start()
+    deadline = time.monotonic() + 60
+    while len(acknowledged) < 50 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(acknowledged) >= 50, "the server stored post-edits"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    for c in clients:
+        c.join()
+    with TranslationMemory(tmp_path / "tm.db") as tm:
+        assert tm.db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        stored = {s.source for s in tm.segments()}
+    assert set(acknowledged) <= stored
