@@ -18,6 +18,7 @@ from attnmt.training.runlog import RunLog
 
 TM_PAIRS = "tm_pairs.tsv"  # in the run directory
 SELF_TM = ".tm_self.db"  # the training corpora as a TM (data.tm.path: self), built once
+PROGRESS_EVERY = 25_000  # a log line each time this many more pairs have their matches
 
 
 def write_tm_pairs(data: DataConfig, out: Path, log: RunLog) -> Path:
@@ -28,7 +29,16 @@ def write_tm_pairs(data: DataConfig, out: Path, log: RunLog) -> Path:
     assert data.tm is not None
     start = time.monotonic()
     pairs = list(read_corpora(data.corpora))
-    lines = list(_augmented(data, out, pairs))
+    minutes = len(pairs) * 2e-3 / 60  # about 2 ms a pair (bench.py tm)
+    log.event(
+        "tm", f"tm: looking up {len(pairs):,} training pairs' matches (about {minutes:.0f} min)",
+        pairs=len(pairs),
+    )  # fmt: skip
+    lines = []
+    for n, line in enumerate(_augmented(data, out, pairs), 1):
+        lines.append(line)
+        if n % PROGRESS_EVERY == 0:
+            log.event("tm", f"tm: {n:,} pairs with matches so far", matched=n)
     matched = len(lines)
     atomic_write_bytes(path, "".join(lines).encode("utf-8"))
     log.event(
