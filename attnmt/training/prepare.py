@@ -76,9 +76,6 @@ def prepare_data(
     (rank 0; reused by --resume after checking that the files did not change; the other ranks
     map it), and read and encode the dev sets."""
     data = cfg.data
-    if data.tm is not None and data.tm.path != "self" and not Path(data.tm.path).is_file():
-        raise ConfigError(f"data.tm.path: no translation memory at {data.tm.path} "
-                          "(attnmt tm import FILE --db TM makes one)")  # fmt: skip
     files = [f for split in (*data.corpora, *data.dev_sets) for f in split.files]
     texts = [read_split_text(split) for split in data.dev_sets]
     for split, text in zip(data.dev_sets, texts, strict=True):

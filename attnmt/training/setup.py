@@ -52,6 +52,7 @@ from attnmt.training.prepare import DevSet, prepare_data
 from attnmt.training.resume import Progress, seed_everything, set_rng_state
 from attnmt.training.runlog import RunLog, log_corpora
 from attnmt.training.scoring import score_dev_sets
+from attnmt.training.tm_pairs import write_tm_pairs
 
 # How often a CPU run chooses its threads again: a CPU that other processes let go of is used
 # within about two of these, one they take is given back as soon.
@@ -118,6 +119,8 @@ def setup(
     t = cfg.train
     threads = training_threads(t.threads, device)
     tf_generator = seed_everything(t.seed)
+    if cfg.data.tm is not None and ranks.is_main:  # before the clock: the lookups are done
+        write_tm_pairs(cfg.data, out, log)  # once, not training time (docs/tm.md)
     start_time = time.time()
     checkpoint = latest_checkpoint(out) if resume else None
     tokenizer, train_data, dev_sets = prepare_data(cfg, out, ranks, checkpoint is not None, log)

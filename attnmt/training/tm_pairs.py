@@ -14,6 +14,7 @@ from attnmt.data.files import atomic_write_bytes
 from attnmt.data.fuzzy import augmented_source, best_matches
 from attnmt.data.text import read_corpora
 from attnmt.data.tm import TranslationMemory
+from attnmt.errors import ConfigError
 from attnmt.training.runlog import RunLog
 
 TM_PAIRS = "tm_pairs.tsv"  # in the run directory
@@ -27,6 +28,9 @@ def write_tm_pairs(data: DataConfig, out: Path, log: RunLog) -> Path:
     if path.is_file():
         return path
     assert data.tm is not None
+    if data.tm.path != "self" and not Path(data.tm.path).is_file():
+        raise ConfigError(f"data.tm.path: no translation memory at {data.tm.path} "
+                          "(attnmt tm import FILE --db TM makes one)")  # fmt: skip
     start = time.monotonic()
     pairs = list(read_corpora(data.corpora))
     minutes = len(pairs) * 2e-3 / 60  # about 2 ms a pair (bench.py tm)
