@@ -55,9 +55,11 @@ def main() -> None:
             proc.wait(timeout=30)
     refs = [t for _, t in probe]
     b, a = score(before[0], refs), score(after[0], refs)
-    met = sum(1 for m in after[1] if m is not None and m["segment"] in new)
+    met = [m for m in after[1] if m is not None and m["segment"] in new]
+    exact = sum(m["exact"] for m in met)
     print(json.dumps({
-        "edits": len(edits), "probed": len(probe), "met_a_new_segment": met,
+        "edits": len(edits), "probed": len(probe), "met_a_new_segment": len(met),
+        "of_them_exact": exact,
         "bleu_before": round(b.bleu, 2), "bleu_after": round(a.bleu, 2),
         "chrf_before": round(b.chrf, 2), "chrf_after": round(a.chrf, 2),
         "bleu_signature": b.bleu_signature, "chrf_signature": b.chrf_signature,
