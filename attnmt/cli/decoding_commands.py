@@ -15,6 +15,7 @@ import typer
 
 from attnmt.cli.options import (
     ModelLoad,
+    ModelsOption,
     ShortlistOption,
     TargetLangOption,
     TerminologyOption,
@@ -37,9 +38,7 @@ if TYPE_CHECKING:
 @model_options()
 @decoding_options("translate")
 def translate(
-    model: Annotated[list[Path], typer.Option(
-        "--model", "-m", metavar="DIR",
-        help="Trained model directory (more than once: an ensemble).")],
+    model: ModelsOption,
     input: Annotated[Path | None, typer.Option(
         "--input", "-i", help="Input file (default: stdin).")] = None,
     output: Annotated[Path | None, typer.Option(
@@ -260,8 +259,7 @@ def evaluate(
 
 @model_options(workers=False, search=False)
 def score_command(
-    model: Annotated[list[Path], typer.Option(
-        "--model", "-m", metavar="DIR", help="Model directory (more than once: an ensemble).")],
+    model: ModelsOption,
     src: Annotated[Path, typer.Option("--src", "-s", help="Source sentences.")],
     tgt: Annotated[Path, typer.Option("--tgt", "-t", help="Their translations to score.")],
     output: Annotated[Path | None, typer.Option(

@@ -14,6 +14,7 @@ import typer
 
 from attnmt.cli.options import (
     ModelLoad,
+    ModelsOption,
     ShortlistOption,
     TerminologyOption,
     TermsIgnoreCaseOption,
@@ -155,9 +156,7 @@ def _export_onnx(
 
 @model_options()
 def serve(
-    model: Annotated[list[Path], typer.Option(
-        "--model", "-m", metavar="DIR",
-        help="Trained model directory (more than once: an ensemble).")],
+    model: ModelsOption,
     host: Annotated[str, typer.Option("--host", help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port.")] = 8000,
     max_lines: Annotated[int, typer.Option(

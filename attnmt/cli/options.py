@@ -16,6 +16,13 @@ if TYPE_CHECKING:
     from attnmt.decoding.options import DecodeOption
     from attnmt.decoding.translator import Translator
 
+ModelsOption = Annotated[
+    list[Path],
+    typer.Option(
+        "--model", "-m", metavar="DIR",
+        help="Trained model directory (more than once: an ensemble).",
+    ),
+]  # fmt: skip
 WeightsOption = Annotated[
     str,
     typer.Option(

@@ -25,7 +25,7 @@ from attnmt.models.directory import CONFIG_FILE, check_same_base, write_run_file
 from attnmt.training import distributed
 from attnmt.training.resume import check_resumable
 from attnmt.training.runlog import RunLog, log_data
-from attnmt.training.tm_pairs import TM_PAIRS, write_tm_pairs
+from attnmt.training.tm_pairs import TM_PAIRS
 
 
 @dataclass
@@ -81,11 +81,11 @@ def prepare_data(
     for split, text in zip(data.dev_sets, texts, strict=True):
         if not text.src:
             raise DataError(f"{split.name}: no sentence pairs with text on both sides")
+    if data.tm is not None:  # the store is made from it too (setup wrote it before the clock)
+        files.append(out / TM_PAIRS)
     if resuming:
         check_resumable(from_dict(read_yaml(out / CONFIG_FILE)), cfg)
         check_same_base(out, cfg)
-        if data.tm is not None:  # the store was made from it too: it must be unchanged
-            files.append(out / TM_PAIRS)
     if ranks.is_main:
         tokenizer = make_tokenizer(cfg, out, resuming)
         write_run_files(out, cfg, tokenizer)  # on resume: the config's resumable changes
@@ -167,11 +167,8 @@ def ensure_store(
         for c in corpora
     ]
     if data.tm is not None:  # the pairs with their TM matches: a corpus of their own
-        corpora.append(
-            TrainCorpus(tsv=write_tm_pairs(data, out, log), tgt_lang=corpora[0].tgt_lang)
-        )
+        corpora.append(TrainCorpus(tsv=out / TM_PAIRS, tgt_lang=corpora[0].tgt_lang))
         prefixes.append(prefixes[0])
-        files = [*files, corpora[-1].tsv]
 
     def encode() -> bytes:
         build_store(out, corpora, protos, data.max_len, workers, files, prefixes)
