@@ -7,7 +7,8 @@ every row made to decode exactly L steps: CTranslate2 with `min_decoding_length`
 target prefix of L pieces (a row cannot end before it). A step's cost is (t(30) - t(10)) / 20:
 the encoder and the first steps cancel out. The two toolkits alternate run by run in one
 process (A B A B), --runs times each; the median is printed as one JSON line per rows,
-precision and toolkit: {"rows", "precision", "toolkit", "ms_per_step", ...}.
+precision and toolkit: {"rows", "precision", "toolkit", "ms_per_step", ...}. With --compile,
+attnmt with its compiled step (models.compiled_step, fp32) is a third side ("attnmt-compiled").
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ def bench_step(args: argparse.Namespace) -> None:
                 str(Path(tmp) / "ct2"), device="cpu", compute_type=CT2_TYPES[precision],
                 intra_threads=args.threads, inter_threads=1,
             )  # fmt: skip
+            compiled = None  # --compile: the compiled step too, a third side
+            if args.compile and precision == "fp32":
+                compiled = Translator.load(
+                    args.model, "cpu", precision=precision, threads=args.threads, compile=True
+                )
             ids = [s for s in ours.tokenizer.src.encode(lines) if 14 <= len(s) <= 17]
             for rows in args.rows:
                 chosen = [ids[i % len(ids)] for i in range(rows)]
@@ -56,6 +62,8 @@ def bench_step(args: argparse.Namespace) -> None:
                     "attnmt": functools.partial(_attnmt, ours, chosen),
                     "ctranslate2": functools.partial(_ct2, theirs, pieces),
                 }
+                if compiled is not None:
+                    sides["attnmt-compiled"] = functools.partial(_attnmt, compiled, chosen)
                 for toolkit, ms in _alternated(sides, args.runs).items():
                     print(json.dumps({
                         "bench": "step", "rows": rows, "precision": precision,

@@ -27,6 +27,31 @@ from attnmt.data.text import read_lines
 from attnmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 
+@torch.library.custom_op("attnmt_probe::attend", mutates_args=())
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """softmax(q kᵀ / √d_h + bias) v, one query a row: q (N, h, d_h), k, v (N, h, T, d_h), bias
+    broadcast to (N, h, T) -> (N, h, d_h). An op Inductor calls as it is (its products stay
+    batched matrix products, not loops of Inductor's own)."""
+    s = torch.matmul(k, q.unsqueeze(-1)).squeeze(-1) / q.size(-1) ** 0.5 + bias  # (N, h, T)
+    return torch.matmul(s.softmax(-1).unsqueeze(-2), v).squeeze(-2)
+
+
+@attend.register_fake
+def _(q, k, v, bias):
+    return torch.empty_like(q)
+
+
+OPAQUE = False
+FREEZE = False
+
+
+def _attend(q, k, v, bias):
+    if OPAQUE:
+        return attend(q, k, v, bias)
+    s = torch.einsum("nhd,nhtd->nht", q, k) / q.size(-1) ** 0.5 + bias  # (N, h, T)
+    return torch.einsum("nht,nhtd->nhd", s.softmax(-1), v)
+
+
 def make_step(model, capacity: int):
     """The model's greedy step as a pure function of tensors (pre-norm, sinusoidal, ReLU)."""
     layers = model.decoder_layers
@@ -59,7 +84,7 @@ def make_step(model, capacity: int):
         return F.layer_norm(x, (d,), norm.weight, norm.bias, norm.eps)
 
     def step(tokens, position, k_cache, v_cache, mem_k, mem_v, src_bias):
-        """tokens (N,), position () int64, caches (layers, N, h, T, d_h), mem_k/v (layers, N,
+        """tokens (N,), position () int64, caches a layer's each (N, h, T, d_h), mem_k/v (layers, N,
         h, S, d_h), src_bias (N, 1, S) additive -> the next tokens (N,)."""
         N = tokens.size(0)
         x = emb.index_select(0, tokens) * scale + pe.index_select(0, position.view(1))  # (N, d)
@@ -71,13 +96,11 @@ def make_step(model, capacity: int):
             q, k, v = qkv.view(N, 3, h, d_h).unbind(1)  # (N, h, d_h)
             k_cache[i].index_copy_(2, position.view(1), k.unsqueeze(2))
             v_cache[i].index_copy_(2, position.view(1), v.unsqueeze(2))
-            s = torch.einsum("nhd,nhtd->nht", q, k_cache[i]) / d_h**0.5 + seen  # (N, h, T)
-            a = torch.einsum("nht,nhtd->nhd", s.softmax(-1), v_cache[i]).reshape(N, d)
+            a = _attend(q, k_cache[i], v_cache[i], seen).reshape(N, d)
             x = x + torch.addmm(b_o[i], a, w_o[i])
             y = ln(n_cross, x)
             q = torch.addmm(b_cq[i], y, w_cq[i]).view(N, h, d_h)
-            s = torch.einsum("nhd,nhsd->nhs", q, mem_k[i]) / d_h**0.5 + src_bias  # (N, h, S)
-            a = torch.einsum("nhs,nhsd->nhd", s.softmax(-1), mem_v[i]).reshape(N, d)
+            a = _attend(q, mem_k[i], mem_v[i], src_bias).reshape(N, d)
             x = x + torch.addmm(b_co[i], a, w_co[i])
             y = ln(n_ff, x)
             x = x + torch.addmm(b_2[i], torch.relu(torch.addmm(b_1[i], y, w_1[i])), w_2[i])
@@ -87,23 +110,59 @@ def make_step(model, capacity: int):
     return step
 
 
+def aoti_step(step, tokens, kc, vc, mem_k, mem_v, bias):
+    """The step exported (rows and the source length dynamic) and compiled ahead of time by
+    AOTInductor into a package, loaded back: called without Dynamo or guards."""
+    import tempfile
+
+    class Step(torch.nn.Module):
+        def forward(self, tokens, position, kc, vc, mem_k, mem_v, bias):
+            return step(tokens, position, kc, vc, mem_k, mem_v, bias)
+
+    n, s = torch.export.Dim("n", min=1, max=1024), torch.export.Dim("s", min=2, max=512)
+    cache = [{0: n}] * len(kc)
+    shapes = ({0: n}, None, cache, cache, {1: n, 3: s}, {1: n, 3: s}, {0: n, 2: s})
+
+    def two(t, dim):  # an example of 2 rows: 1 would be taken as a constant
+        return torch.cat([t, t], dim) if t.size(dim) == 1 else t
+
+    kc, vc = [two(c, 0) for c in kc], [two(c, 0) for c in vc]
+    args = (two(tokens, 0), torch.tensor(0), kc, vc, two(mem_k, 1), two(mem_v, 1), two(bias, 0))
+    exported = torch.export.export(Step(), args, dynamic_shapes=shapes)
+    path = Path(tempfile.mkdtemp()) / "step.pt2"
+    configs = {"freezing": True} if FREEZE else {}
+    torch._inductor.aoti_compile_and_package(
+        exported, package_path=str(path), inductor_configs=configs
+    )
+    loaded = torch._inductor.aoti_load_package(str(path))
+    return lambda *a: loaded(*a)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--rows", default="1,8,64")
     ap.add_argument("--mode", default="default", help="torch.compile mode, or eager")
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--capacity", type=int, default=64, help="cache positions preallocated")
+    ap.add_argument("--opaque", action="store_true", help="attention as an op Inductor calls")
+    ap.add_argument("--skip-guards", action="store_true", help="guards not re-evaluated")
+    ap.add_argument("--aoti", action="store_true", help="torch.export + AOTInductor package")
+    ap.add_argument("--freeze", action="store_true", help="AOTInductor with freezing")
     args = ap.parse_args()
     torch.set_num_threads(1)
     ours = Translator.load(args.model, "cpu", precision="fp32", threads=1)
     model = ours.model
     lines = read_lines(Path("data/multi30k/test_2016_flickr.de.gz"))
     ids = [s for s in ours.tokenizer.src.encode(lines) if 14 <= len(s) <= 17]
-    capacity = 64
+    capacity = args.capacity
+    global OPAQUE, FREEZE
+    FREEZE = args.freeze
+    OPAQUE = args.opaque
     step = make_step(model, capacity)
     compiled = (
         step
-        if args.mode == "eager"
+        if args.mode == "eager" or args.aoti
         else torch.compile(
             step, dynamic=True, fullgraph=True, mode=None if args.mode == "default" else args.mode
         )
@@ -116,12 +175,16 @@ def main() -> None:
             mem_v = torch.stack([v for _, v in mem.cross])
             bias = mem.src_mask.view(rows, 1, -1)  # additive
             L, _, h, _, d_h = mem_k.shape
-            kc = mem_k.new_zeros(L, rows, h, capacity, d_h)
-            vc = torch.zeros_like(kc)
+            kc = [mem_k.new_zeros(rows, h, capacity, d_h) for _ in range(L)]  # a layer's each
+            vc = [torch.zeros_like(c) for c in kc]
             tokens = torch.full((rows,), BOS_ID)
             start = time.perf_counter()
+            if args.aoti:
+                compiled = aoti_step(step, tokens, kc, vc, mem_k, mem_v, bias)
             compiled(tokens, torch.tensor(0), kc, vc, mem_k, mem_v, bias)  # compile
             first = time.perf_counter() - start
+            if args.skip_guards:
+                torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
             times = []
             for _ in range(3):
                 tokens, ours_out = torch.full((rows,), BOS_ID), []
@@ -144,7 +207,10 @@ def main() -> None:
                     today_out.append(prev)
                 ref.append((time.perf_counter() - start) / args.steps * 1000)
             same = bool(torch.equal(torch.stack(ours_out), torch.stack(today_out)))
+        if args.skip_guards:
+            torch.compiler.set_stance("default")
         row = {"rows": rows, "mode": args.mode, "compile_s": round(first, 1)}
+        row |= {"opaque": args.opaque, "skip_guards": args.skip_guards, "aoti": args.aoti}
         row |= {"ms_compiled": round(statistics.median(times), 3)}
         row |= {"ms_today": round(statistics.median(ref), 3), "same_tokens": same}
         print(json.dumps(row), flush=True)

@@ -54,6 +54,14 @@ TargetLangOption = Annotated[
         help="A multilingual model: the language to translate into.",
     ),
 ]
+CompileOption = Annotated[
+    bool,
+    typer.Option(
+        "--compile/--no-compile",
+        help="Decode with the Transformer's step compiled ahead of time (fp32, CPU): compiled "
+        "once per model and machine (15-30 s), then loaded from its cache folder.",
+    ),
+]
 WorkersOption = Annotated[
     int | None,
     typer.Option(
@@ -145,6 +153,7 @@ class ModelLoad:
     workers: int | None = None
     threads: int | None = None
     allow_unk: bool | None = None
+    compile: bool = False
 
     def translator(
         self,
@@ -163,7 +172,7 @@ class ModelLoad:
             check_input(terminology)
         translator = Translator.load(
             models, self.device, self.weights, self.precision, self.matmul, self.workers,
-            terminology, shortlist, self.threads, *terms,
+            terminology, shortlist, self.threads, *terms, compile=self.compile,
         )  # fmt: skip
         if self.allow_unk is not None:  # every search of this command: the config's default
             decode = translator.cfg.decode.model_copy(update={"allow_unk": self.allow_unk})
@@ -179,14 +188,15 @@ _SHARED = {
     "matmul": (MatmulOption, None),
     "threads": (ThreadsOption, None),
     "allow_unk": (UnkOption, None),
+    "compile": (CompileOption, False),
 }
 
 
 def model_options(
     workers: bool = True, search: bool = True
 ) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """Give a command --weights, --device, --precision, --matmul, --threads (and --workers,
-    and --allow-unk/--no-unk for commands that search) and pass them to it as one
+    """Give a command --weights, --device, --precision, --matmul, --threads, --compile (and
+    --workers, and --allow-unk/--no-unk for commands that search) and pass them to it as one
     `load: ModelLoad` argument: declared once, read once."""
     names = [n for n in _SHARED if (workers or n != "workers") and (search or n != "allow_unk")]
     added = [_keyword(n, _SHARED[n][1], _SHARED[n][0]) for n in names]

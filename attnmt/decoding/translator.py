@@ -53,6 +53,7 @@ from attnmt.device import (
 from attnmt.errors import AttnmtError, TooMuchWork
 from attnmt.kernels import matmul_backend
 from attnmt.kernels.matmul import resolve
+from attnmt.models import compiled_step
 from attnmt.models.directory import BEST_FILE, LAST_FILE, load_model_dir
 from attnmt.models.seq2seq import AttentionSpec, Seq2Seq
 
@@ -96,6 +97,7 @@ class Translator:
         threads: int | None = None,
         terms_ignore_case: bool = False,
         terms_prefix: bool = False,
+        compile: bool = False,
     ) -> Translator:
         """Load a model directory, or several as an ensemble (the mean of their log-
         probabilities at each step; they must share their SentencePiece models; the first
@@ -109,7 +111,9 @@ class Translator:
         output only each batch's lexical shortlist (the first model directory's, from
         `attnmt shortlist`; default decode.shortlist);
         threads: CPU threads (default: as many as other processes leave free, chosen again
-        at most every second). Notes go to stderr."""
+        at most every second); compile: the Transformer's decoding step compiled ahead of
+        time (models.compiled_step: fp32 on the CPU; compiled once per model and machine,
+        then loaded from its cache folder). Notes go to stderr."""
         start = CpuShare.now()
         dirs = (
             [Path(model_dir)] if isinstance(model_dir, str | Path) else list(map(Path, model_dir))
@@ -147,6 +151,8 @@ class Translator:
             keep_freed_memory()
         members = tuple(c for c, _, _ in loaded)
         net = for_decoding(net, precision)
+        if compile:
+            compiled_step.attach(net, precision, dev.type)
         terms = None
         if terminology is not None:
             terms = Terminology.load(Path(terminology), terms_ignore_case, terms_prefix)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,9 @@ from attnmt.models.decoding_state import (
     room_for_next,
 )
 from attnmt.models.transformer import ACTIVATIONS, DecoderLayer, TransformerSeq2Seq
+
+if TYPE_CHECKING:
+    from attnmt.models.compiled_step import CompiledLayers
 
 Tensor = torch.Tensor
 
@@ -188,6 +192,9 @@ class LeanStep:
         self.layers = [LeanLayer.of(layer) for layer in model.decoder_layers]
         self.scripted = True  # the layers as a TorchScript graph where they can be one
         self._graph: torch.jit.ScriptModule | bool | None = False  # False: not made yet
+        # The layers compiled ahead of time (compiled_step.attach), run for one cohort
+        # where _run_compiled can; None: not asked for, or not possible here.
+        self.compiled: CompiledLayers | None = None
 
     def __getstate__(self) -> dict:
         """A copy (copy.deepcopy) makes its own graph at its first use."""
@@ -229,6 +236,10 @@ class LeanStep:
         x = model.tgt_embed(prev_tokens.unsqueeze(1), offset=offset)  # (N, 1, d)
         N, _, d = x.shape
         x = x.view(N, d)  # (N, d)
+        if self.compiled is not None and len(states) == 1 and _graph_applies(x, states):
+            ran = _run_compiled(self.compiled, x, memories[0], states[0])
+            if ran is not None:
+                return self._logits(ran[0], [ran[1]], states)
         masks = [model._joined_mask(s) for s in states]  # (n, 1, 1, t+1) or None each
         graph = self.graph() if _graph_applies(x, states) else None
         if graph is not None:
@@ -355,6 +366,39 @@ def _run_graph(
         for kept, cache in zip(caches, layer.grown(bounds), strict=True):
             kept.append(cache)
     return x, caches
+
+
+def _run_compiled(
+    compiled: CompiledLayers, x: Tensor, memory: TransformerMemory, state: TransformerState
+) -> tuple[Tensor, list] | None:
+    """The decoder's layers by the compiled step (models.compiled_step): x (N, d) -> (N, d)
+    and the caches grown by one position, written in place into the Rooms room_for_next
+    gives (as append_position); None where it does not run this step (rows at their own
+    positions, positions before a Room's start, SSRU caches, buffers not fp32 or not
+    contiguous), the state untouched."""
+    N, t = x.size(0), state.caches[0].self_k.size(2) if state.caches else 0
+    if not isinstance(state.position, int) or not state.caches or memory.src_mask.size(0) != N:
+        return None  # (a sentence's rows are its beams: the lean step)
+    for c in state.caches:
+        if not isinstance(c, LayerCache) or c.room is None or c.self_k.dtype != torch.float32:
+            return None
+        if state.rows is None and c.room.takes(t) and c.room.start != 0:
+            return None  # positions before start may be garbage: the lean step slices them off
+    rooms = [room_for_next(c, state.rows, N) for c in state.caches]  # type: ignore[arg-type]
+    buffers = [b[:N] for r in rooms for b in (r.k, r.v)]  # (N, h, capacity, d_h) each
+    if (
+        len({(r.filled, r.k.size(2)) for r in rooms}) > 1
+        or any(r.start for r in rooms)
+        or not all(b.is_contiguous() for b in buffers)
+    ):
+        return None
+    at = rooms[0].filled
+    mask = x.new_zeros(1, 1, 1, at + 1)  # every position so far, and this one
+    cross = [t.contiguous() for kv in memory.cross for t in kv]
+    x = compiled(x, torch.tensor([at]), mask, buffers, cross, memory.src_mask.contiguous())
+    for room in rooms:
+        room.filled += 1
+    return x, [room.cache(N) for room in rooms]
 
 
 @dataclass

@@ -1,0 +1,299 @@
+"""The Transformer's decoder layers at a decoding step, compiled ahead of time (AOTInductor) into
+a package of generated C++ and loaded back: the lean step's maths (attnmt.models.lean_step) run
+as one call, without Python between the operations. fp32 on the CPU, one cohort of rows.
+
+Why: a step of a few rows costs its ~200 dispatched torch operations and fbgemm's per-call
+costs more than its arithmetic (issue 79). `torch.export` traces this module with the rows,
+the source length and the cache's length as dynamic dimensions; Inductor freezes the weights
+(packed once for oneDNN) and generates the element-wise parts (layer norms, attention's small
+products, residuals) as fused loops. The 8-minute T, 1 thread, AMD Zen 4, ms a step at 1 / 8
+/ 64 rows: 1.10 / 2.02 / 9.57 against the lean step's 2.24 / 4.19 / 13.77
+(docs/log/2026-12-compiled-step.md).
+
+A package is made once per model, machine and thread count and kept in a cache folder
+(ATTNMT_CACHE, else ~/.cache/attnmt): compiling takes 15-30 s on 2 cores, loading one under a
+second. Where no C++ compiler is present or the compile fails, decoding keeps the lean step
+and one line says why.
+
+The step writes the rows' keys and values into their cache buffers (decoding_state.Room) in
+place, at position `at`, and attends over the buffers' first T positions (T = at + 1, the
+length of `self_mask`); the embedding, the last layer norm and the output layer (which a
+shortlist may replace) stay outside, as does search.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnmt.models.lean_step import LeanLayer, LeanStep, Product
+from attnmt.models.transformer import TransformerSeq2Seq
+
+Tensor = torch.Tensor
+
+
+def cache_folder() -> Path:
+    """Where compiled steps are kept: $ATTNMT_CACHE/steps, else ~/.cache/attnmt/steps."""
+    root = os.environ.get("ATTNMT_CACHE") or Path.home() / ".cache" / "attnmt"
+    return Path(root) / "steps"
+
+
+class _Linear(nn.Module):
+    """x Wᵀ + b from a lean step's fp32 Product (Wᵀ stored (K, N))."""
+
+    def __init__(self, product: Product) -> None:
+        super().__init__()
+        assert product.weight_t is not None and product.bias is not None
+        self.weight_t = nn.Parameter(product.weight_t.detach().clone(), requires_grad=False)
+        self.bias = nn.Parameter(product.bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.addmm(self.bias, x, self.weight_t)  # (N, K) -> (N, N_out)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """softmax(q kᵀ / √d_h + mask) v for one query a row: q (N, h, 1, d_h), k, v (N, h, T,
+    d_h), mask additive (N|1, 1, 1, T) -> (N, h, d_h). As element-wise products and sums,
+    which Inductor fuses into loops: a matrix product here would make export guard on the
+    keys' layout (T below the cache's capacity or at it)."""
+    scores = (q * k).sum(-1) * q.size(-1) ** -0.5 + mask.squeeze(2)  # (N, h, T)
+    return (scores.softmax(-1).unsqueeze(-1) * v).sum(-2)
+
+
+class _Layer(nn.Module):
+    """One decoder layer (DecoderLayer.step), pre- or post-norm:
+    x += SelfAttn(LN(x)); x += CrossAttn(LN(x), memory); x += FFN(LN(x))."""
+
+    def __init__(self, lean: LeanLayer, pre_norm: bool, activation: str) -> None:
+        super().__init__()
+        assert lean.qkv is not None and lean.out is not None
+        self.norms = nn.ModuleList(lean.norms)
+        self.qkv, self.out = _Linear(lean.qkv), _Linear(lean.out)
+        self.cross_q, self.cross_out = _Linear(lean.cross_q), _Linear(lean.cross_out)
+        self.ff_in, self.ff_out = _Linear(lean.ff_in), _Linear(lean.ff_out)
+        self.heads, self.pre_norm, self.activation = lean.heads, pre_norm, activation
+
+    def _in(self, i: int, x: Tensor) -> Tensor:
+        return self.norms[i](x) if self.pre_norm else x
+
+    def _out(self, i: int, y: Tensor) -> Tensor:
+        return y if self.pre_norm else self.norms[i](y)
+
+    def _act(self, f: Tensor) -> Tensor:
+        if self.activation == "gelu":
+            return F.gelu(f)
+        return F.silu(f) if self.activation == "swish" else torch.relu(f)
+
+    def forward(
+        self,
+        x: Tensor,
+        at: Tensor,
+        self_mask: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        memory: tuple[Tensor, Tensor, Tensor],
+    ) -> Tensor:
+        """x (N, d) -> (N, d); keys, values (N, h, capacity, d_h) take this step's k and v at
+        position `at` (1,); memory: cross-attention's keys, values (N, h, S, d_h) and the
+        source mask (N, 1, 1, S), a row's each (greedy search: a sentence a row)."""
+        N, d = x.shape
+        h_ = self.heads
+        d_h = d // h_
+        T = self_mask.size(-1)
+        q, k, v = self.qkv(self._in(0, x)).view(N, 3, h_, 1, d_h).unbind(1)  # (N, h, 1, d_h)
+        keys.index_copy_(2, at, k)
+        values.index_copy_(2, at, v)
+        a = attend(q, keys[:, :, :T], values[:, :, :T], self_mask)  # (N, h, d_h)
+        x = self._out(0, self.out(a.reshape(N, d)) + x)
+        cross_k, cross_v, src_mask = memory
+        q = self.cross_q(self._in(1, x)).view(N, h_, 1, d_h)
+        a = attend(q, cross_k, cross_v, src_mask).reshape(N, d)  # (N, d)
+        x = self._out(1, self.cross_out(a) + x)
+        f = self._act(self.ff_in(self._in(2, x)))  # (N, ff)
+        return self._out(2, self.ff_out(f) + x)
+
+
+class DecoderLayers(nn.Module):
+    """The decoder's layers at one step: x (N, d) -> (N, d), layer i's cache buffers
+    caches[2i], caches[2i+1] and its memory memory[2i], memory[2i+1] (keys, values)."""
+
+    def __init__(self, layers: list[LeanLayer], pre_norm: bool, activation: str) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Layer(lean, pre_norm, activation) for lean in layers)
+
+    def forward(
+        self,
+        x: Tensor,
+        at: Tensor,
+        self_mask: Tensor,
+        caches: list[Tensor],
+        memory: list[Tensor],
+        src_mask: Tensor,
+    ) -> Tensor:
+        torch._check(self_mask.size(-1) <= caches[0].size(2))
+        for i, layer in enumerate(self.layers):
+            kv = (memory[2 * i], memory[2 * i + 1], src_mask)
+            x = layer(x, at, self_mask, caches[2 * i], caches[2 * i + 1], kv)
+        return x
+
+
+def covers(layers: list[LeanLayer | None]) -> str | None:
+    """Why the compiled step cannot run these layers, or None where it can: self-attention
+    with q, k, v stacked, fp32 products with biases, layer norms with both parameters."""
+    for lean in layers:
+        if lean is None:
+            return "rotary positions"
+        if lean.ssru is not None:
+            return "an SSRU decoder"
+        products = [lean.qkv, lean.out, lean.cross_q, lean.cross_out, lean.ff_in, lean.ff_out]
+        if any(p is None or p.weight_t is None or p.bias is None for p in products):
+            return "products that are not fp32 with a bias"
+        if any(not isinstance(n, nn.LayerNorm) or n.bias is None for n in lean.norms):
+            return "norms other than LayerNorm with a bias"
+    return None
+
+
+def _examples(module: DecoderLayers, d: int) -> tuple:
+    """Inputs to trace with: 3 rows, 5 positions of 8, 7 source positions (none 0 or 1:
+    export would take such a size for a constant)."""
+    first = module.layers[0]
+    h = first.heads
+    rows, positions, capacity, source = 3, 5, 8, 7
+    sentences = rows
+    caches = [torch.zeros(rows, h, capacity, d // h) for _ in range(2 * len(module.layers))]
+    memory = [torch.randn(sentences, h, source, d // h) for _ in range(2 * len(module.layers))]
+    return (
+        torch.randn(rows, d), torch.tensor([positions - 1]), torch.zeros(1, 1, 1, positions),
+        caches, memory, torch.zeros(sentences, 1, 1, source),
+    )  # fmt: skip
+
+
+def _dynamic_shapes(layers: int) -> tuple:
+    Dim = torch.export.Dim
+    n = Dim("rows", min=1, max=1 << 16)
+    t, cap, s = Dim("t", min=1, max=1 << 14), Dim("capacity", min=1, max=1 << 14), Dim("s")
+    caches = [{0: n, 2: cap}] * (2 * layers)
+    memory = [{0: n, 2: s}] * (2 * layers)
+    return ({0: n}, None, {3: t}, caches, memory, {0: n, 3: s})
+
+
+def fingerprint(module: DecoderLayers) -> str:
+    """The package's key: the weights, this file, torch, the CPU and the thread count."""
+    digest = hashlib.sha256()
+    for name, tensor in module.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.contiguous().numpy().tobytes())
+    digest.update(Path(__file__).read_bytes())
+    machine = f"{torch.__version__} {platform.machine()} {_cpu_name()} {torch.get_num_threads()}"
+    digest.update(f"{module.layers[0].pre_norm} {module.layers[0].activation} {machine}".encode())
+    return digest.hexdigest()[:24]
+
+
+def _cpu_name() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    names = [line.split(":", 1)[1].strip() for line in text.splitlines() if "model name" in line]
+    capability = torch.backends.cpu.get_cpu_capability()
+    return f"{names[0] if names else platform.processor()} {capability}"
+
+
+def _compiler_missing() -> str | None:
+    """Why Inductor cannot compile here, or None."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None and shutil.which("g++") is None:
+        return f"no C++ compiler ({compiler}) on PATH"
+    return None
+
+
+def _compile(module: DecoderLayers, d: int, path: Path) -> None:
+    """Export the module and write its AOTInductor package to `path` (atomically)."""
+    exported = torch.export.export(
+        module, _examples(module, d), dynamic_shapes=_dynamic_shapes(len(module.layers))
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as work:
+        made = Path(work) / path.name
+        torch._inductor.aoti_compile_and_package(
+            exported, package_path=str(made), inductor_configs={"freezing": True}
+        )
+        os.replace(made, path)
+
+
+class CompiledLayers:
+    """A loaded package: called as DecoderLayers.forward. Copies of a model (copy.deepcopy)
+    share it."""
+
+    def __init__(self, run: Callable[..., Tensor], path: Path) -> None:
+        self.run, self.path = run, path
+
+    def __call__(self, *inputs: object) -> Tensor:
+        return self.run(*inputs)
+
+    def __deepcopy__(self, memo: dict) -> CompiledLayers:
+        return self
+
+
+def compiled_layers(
+    layers: list[LeanLayer | None], pre_norm: bool, activation: str, d: int
+) -> CompiledLayers | None:
+    """The layers' step compiled (from the cache where it is there), or None with one line on
+    stderr saying why decoding keeps the lean step."""
+    why = covers(layers) or _compiler_missing()
+    if why is not None:
+        _say(f"compiled step: not used ({why}); decoding steps as before")
+        return None
+    module = DecoderLayers([lean for lean in layers if lean is not None], pre_norm, activation)
+    path = cache_folder() / f"{fingerprint(module)}.pt2"
+    if not path.is_file():
+        start = time.perf_counter()
+        _say(f"compiled step: compiling for this model and machine, once (into {path})")
+        try:
+            with torch.no_grad():
+                _compile(module, d, path)
+        except Exception as error:
+            reason = str(error).strip().splitlines()[0][:200] if str(error) else type(error)
+            _say(f"compiled step: not used (the compile failed: {reason}); decoding as before")
+            return None
+        _say(f"compiled step: compiled in {time.perf_counter() - start:.1f} s")
+    try:
+        run = torch._inductor.aoti_load_package(str(path))
+    except Exception as error:
+        _say(f"compiled step: not used ({path} could not be loaded: {error}); decoding as before")
+        return None
+    return CompiledLayers(run, path)
+
+
+def attach(model: nn.Module, precision: str, device: str = "cpu") -> None:
+    """Give each Transformer's lean step (each member of an ensemble) its compiled layers,
+    where they can be compiled; else one line on stderr says why (the lean step runs)."""
+    transformers = [m for m in model.modules() if isinstance(m, TransformerSeq2Seq)]
+    steps = [m.lean_step for m in transformers if isinstance(m.lean_step, LeanStep)]
+    why = None if steps else "it compiles a Transformer's decoder"
+    if precision != "fp32" or device != "cpu":
+        why = f"fp32 on the CPU only for now, not {precision} on {device}"
+    if why is not None:
+        _say(f"compiled step: not used ({why}); decoding steps as before")
+        return
+    for transformer in transformers:
+        lean = transformer.lean_step
+        if isinstance(lean, LeanStep):
+            activation = transformer.decoder_layers[0].ff.activation
+            d = transformer.output.weight.size(1)
+            lean.compiled = compiled_layers(lean.layers, lean.pre_norm, activation, d)
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

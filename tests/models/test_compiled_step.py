@@ -1,0 +1,103 @@
+"""models.compiled_step: the decoder's layers compiled ahead of time (AOTInductor) decode what
+the lean step decodes (greedy, and beam search whose first step it takes), are compiled once
+and then loaded from the cache folder, and step aside with one line where no compiler is
+found; `attnmt translate --compile` gives the uncompiled output."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnmt.decoding.beam import beam_search
+from attnmt.decoding.greedy import greedy_search
+from attnmt.decoding.precision import for_decoding
+from attnmt.decoding.search import Beam, SearchOptions
+from attnmt.models import compiled_step, lean_step
+
+from helpers import random_batch, tiny_model
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("ATTNMT_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "steps"
+
+
+def _searches(model: torch.nn.Module) -> list[list]:
+    batch = random_batch(seed=3, B=5)
+    found = []
+    with torch.no_grad():
+        greedy = greedy_search(model, batch.src, batch.src_pad_mask, SearchOptions())
+        found.append([[h] for h in greedy])
+        beam = SearchOptions(method=Beam(size=3, n_best=2))
+        found.append(beam_search(model, batch.src, batch.src_pad_mask, beam))
+    return found
+
+
+def _same(mine: list[list], theirs: list[list]) -> None:
+    for a, b in zip(mine, theirs, strict=True):
+        for hyps, others in zip(a, b, strict=True):
+            assert [h.tokens for h in hyps] == [h.tokens for h in others]
+            scores = [torch.tensor([h.score for h in x]) for x in (hyps, others)]
+            torch.testing.assert_close(*scores, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"norm": "post", "activation": "gelu", "output_bias": True, "tie_embeddings": False}],
+    ids=["pre-norm", "post-norm, gelu"],
+)
+def test_compiled_layers_find_the_lean_steps_hypotheses(overrides, cache, monkeypatch, capsys):
+    model = for_decoding(tiny_model("transformer", **overrides).eval(), "fp32")
+    plain = copy.deepcopy(model)
+    compiled_step.attach(model, "fp32")
+    assert model.lean_step.compiled is not None
+    assert "compiled step: compiled in" in capsys.readouterr().err
+    ran = []
+    run = lean_step._run_compiled
+    monkeypatch.setattr(lean_step, "_run_compiled", lambda *a: ran.append(r := run(*a)) or r)
+    _same(_searches(model), _searches(plain))
+    assert any(r is not None for r in ran)  # greedy's steps and beam search's first
+    assert any(r is None for r in ran)  # beam search's later steps: the lean step's
+    # A second model from the same weights loads the package from the cache, not compiling.
+    again = for_decoding(tiny_model("transformer", **overrides).eval(), "fp32")
+    compiled_step.attach(again, "fp32")
+    assert "compiling" not in capsys.readouterr().err
+    assert again.lean_step.compiled.path == model.lean_step.compiled.path
+    assert len(list(cache.glob("*.pt2"))) == 1
+
+
+def test_without_a_compiler_decoding_goes_on_and_says_why(cache, monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no c++, no g++
+    monkeypatch.setenv("CXX", "c++")
+    model = for_decoding(tiny_model("transformer").eval(), "fp32")
+    plain = copy.deepcopy(model)
+    compiled_step.attach(model, "fp32")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not used (no C++ compiler" in err
+    assert model.lean_step.compiled is None
+    _same(_searches(model), _searches(plain))
+
+
+@pytest.mark.parametrize(
+    ("arch", "precision", "why"),
+    [("transformer", "int8", "fp32 on the CPU only"), ("rnn", "fp32", "a Transformer's decoder")],
+)
+def test_what_it_does_not_compile_is_said(arch, precision, why, cache, capsys):
+    model = for_decoding(tiny_model(arch).eval(), precision)
+    compiled_step.attach(model, precision)
+    err = capsys.readouterr().err
+    assert why in err and err.count("\n") == 1
+    assert not cache.exists()
+
+
+def test_translate_compile_gives_the_same_lines(trained, run_cli, cache):
+    model, corpus = trained
+    lines = ["-m", str(model), "-i", str(corpus["dev_src"])]
+    plain = run_cli("translate", *lines)
+    compiled = run_cli("translate", *lines, "--compile")
+    assert compiled.code == 0 and "compiled step: compiled in" in compiled.stderr
+    assert compiled.stdout == plain.stdout
