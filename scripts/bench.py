@@ -83,6 +83,7 @@ from attnmt.decoding.shortlist import attach, load_shortlist
 from attnmt.decoding.translate import search_lines
 from attnmt.device import DECODE_PRECISIONS, MATMUL_BACKENDS, ThreadFit
 from attnmt.kernels import matmul
+from attnmt.models import compiled_step
 from attnmt.models.directory import load_model_dir
 
 
@@ -116,6 +117,8 @@ def decode_models(args: argparse.Namespace, backend: str) -> None:
             cfg, tokenizer, model = load_model_dir(model_dir)
             plain = copy.deepcopy(model).to(args.device) if precision != "fp32" else None
             model = for_decoding(model.to(args.device), precision)
+            if args.compile:  # the compiled step (fp32 on the CPU; else a line says why not)
+                compiled_step.attach(model, precision, args.device)
             short = None
             if "on" in args.shortlist:  # off: the wrapped projection without rows is the plain one
                 short = load_shortlist(model_dir, tokenizer)
@@ -181,6 +184,7 @@ def decode_models(args: argparse.Namespace, backend: str) -> None:
                         sum(a[0].text != b for a, b in zip(fp32, hyps, strict=True)) / len(src), 4
                     ),
                     "shortlist": shortlist,
+                    "compiled": args.compile,
                     # Lines the shortlist changes (against the same model and search without).
                     "differs_from_off": None if unlisted is None else round(
                         sum(a[0].text != b for a, b in zip(unlisted, hyps, strict=True))
@@ -214,6 +218,7 @@ def add_decode_args(d: argparse.ArgumentParser) -> None:
     d.add_argument("--sentences", type=int, help="only the first N test sentences")
     d.add_argument("--device", default="cpu", help="cpu or cuda")
     d.add_argument("--max-len", type=int, default=60, help="output pieces at most")
+    d.add_argument("--compile", action="store_true", help="attnmt's compiled step (fp32, CPU)")
     d.add_argument(
         "--length-norm", choices=["gnmt", "length"], default="gnmt",
         help="beam search's length normalisation (length: CTranslate2's, for export)",

@@ -10,12 +10,12 @@ from attnmt.device import PRECISION_DTYPES, cpu_has_amx
 from attnmt.kernels import pack_for_many_rows, quantize_int8
 from attnmt.kernels.int8 import pack_both_ways
 from attnmt.kernels.matmul import column_major_weights, onednn_packed_weights
-from attnmt.models import lean_step
+from attnmt.models import compiled_step, lean_step
 from attnmt.models.seq2seq import Seq2Seq
 from attnmt.models.transformer import TransformerSeq2Seq
 
 
-def for_decoding(model: Seq2Seq, precision: str) -> Seq2Seq:
+def for_decoding(model: Seq2Seq, precision: str, compile: bool = False) -> Seq2Seq:
     """The model, in place, with its weights and buffers in `precision` for translation: the
     16-bit formats halve the weights' memory traffic and run on the hardware's 16-bit matmuls
     (GPU tensor cores, AMX); int8 (CPU) swaps the matmuls for 8-bit ones (kernels.int8); all
@@ -23,8 +23,9 @@ def for_decoding(model: Seq2Seq, precision: str) -> Seq2Seq:
     fp32 whatever the model computes in. fp32 weights are stored column-major
     (column_major_weights) and, where oneDNN runs the larger products, also in its layout
     (onednn_packed_weights), and a Transformer on the CPU steps with fewer operations
-    (models.lean_step): the same outputs up to float rounding. Move the model to its device
-    first."""
+    (models.lean_step): the same outputs up to float rounding; with `compile`, its decoder's
+    layers compiled ahead of time where they can be (models.compiled_step). Move the model to
+    its device first."""
     if precision == "int8":
         model = cast(Seq2Seq, quantize_int8(model.float()))
         pack_for_many_rows(model.source_side())
@@ -38,6 +39,9 @@ def for_decoding(model: Seq2Seq, precision: str) -> Seq2Seq:
     else:
         model = column_major_weights(model.to(PRECISION_DTYPES[precision]))
         onednn_packed_weights(model)  # where oneDNN runs the larger products
-    if next(model.parameters(), torch.empty(0)).device.type == "cpu":
+    device = next(model.parameters(), torch.empty(0)).device.type
+    if device == "cpu":
         lean_step.attach(model)  # (on a GPU not measured)
+    if compile:
+        compiled_step.attach(model, precision, device)
     return model

@@ -53,7 +53,6 @@ from attnmt.device import (
 from attnmt.errors import AttnmtError, TooMuchWork
 from attnmt.kernels import matmul_backend
 from attnmt.kernels.matmul import resolve
-from attnmt.models import compiled_step
 from attnmt.models.directory import BEST_FILE, LAST_FILE, load_model_dir
 from attnmt.models.seq2seq import AttentionSpec, Seq2Seq
 
@@ -111,9 +110,8 @@ class Translator:
         output only each batch's lexical shortlist (the first model directory's, from
         `attnmt shortlist`; default decode.shortlist);
         threads: CPU threads (default: as many as other processes leave free, chosen again
-        at most every second); compile: the Transformer's decoding step compiled ahead of
-        time (models.compiled_step: fp32 on the CPU; compiled once per model and machine,
-        then loaded from its cache folder). Notes go to stderr."""
+        at most every second); compile: decode with models.compiled_step. Notes go to
+        stderr."""
         start = CpuShare.now()
         dirs = (
             [Path(model_dir)] if isinstance(model_dir, str | Path) else list(map(Path, model_dir))
@@ -150,9 +148,7 @@ class Translator:
         if dev.type == "cpu":  # a search's MiB-sized blocks reused, not faulted in anew
             keep_freed_memory()
         members = tuple(c for c, _, _ in loaded)
-        net = for_decoding(net, precision)
-        if compile:
-            compiled_step.attach(net, precision, dev.type)
+        net = for_decoding(net, precision, compile)
         terms = None
         if terminology is not None:
             terms = Terminology.load(Path(terminology), terms_ignore_case, terms_prefix)

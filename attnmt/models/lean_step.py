@@ -19,7 +19,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -40,9 +39,6 @@ from attnmt.models.decoding_state import (
     room_for_next,
 )
 from attnmt.models.transformer import ACTIVATIONS, DecoderLayer, TransformerSeq2Seq
-
-if TYPE_CHECKING:
-    from attnmt.models.compiled_step import CompiledLayers
 
 Tensor = torch.Tensor
 
@@ -194,7 +190,7 @@ class LeanStep:
         self._graph: torch.jit.ScriptModule | bool | None = False  # False: not made yet
         # The layers compiled ahead of time (compiled_step.attach), run for one cohort
         # where _run_compiled can; None: not asked for, or not possible here.
-        self.compiled: CompiledLayers | None = None
+        self.compiled: Callable[..., Tensor] | None = None
 
     def __getstate__(self) -> dict:
         """A copy (copy.deepcopy) makes its own graph at its first use."""
@@ -369,7 +365,10 @@ def _run_graph(
 
 
 def _run_compiled(
-    compiled: CompiledLayers, x: Tensor, memory: TransformerMemory, state: TransformerState
+    compiled: Callable[..., Tensor],
+    x: Tensor,
+    memory: TransformerMemory,
+    state: TransformerState,
 ) -> tuple[Tensor, list] | None:
     """The decoder's layers by the compiled step (models.compiled_step): x (N, d) -> (N, d)
     and the caches grown by one position, written in place into the Rooms room_for_next

@@ -19,6 +19,10 @@ from attnmt.models import compiled_step, lean_step
 
 from helpers import random_batch, tiny_model
 
+needs_compiler = pytest.mark.skipif(
+    compiled_step._compiler_missing() is not None, reason="no C++ compiler (g++) here"
+)
+
 
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
@@ -45,6 +49,7 @@ def _same(mine: list[list], theirs: list[list]) -> None:
             torch.testing.assert_close(*scores, rtol=1e-4, atol=1e-4)
 
 
+@needs_compiler
 @pytest.mark.parametrize(
     "overrides",
     [{}, {"norm": "post", "activation": "gelu", "output_bias": True, "tie_embeddings": False}],
@@ -94,6 +99,7 @@ def test_what_it_does_not_compile_is_said(arch, precision, why, cache, capsys):
     assert not cache.exists()
 
 
+@needs_compiler
 def test_translate_compile_gives_the_same_lines(trained, run_cli, cache):
     model, corpus = trained
     lines = ["-m", str(model), "-i", str(corpus["dev_src"])]
