@@ -279,6 +279,7 @@ def main() -> int:
     v.add_argument("--workers", type=int, default=1, help="attnmt serve --workers (processes)")
     v.add_argument("--precision", default="", help="attnmt serve --precision (default: config)")
     v.add_argument("--tm", type=Path, help="also measure the server with this TM (serve --tm)")
+    v.add_argument("--compile", action="store_true", help="also the server with --compile")
     v.add_argument("--eole", type=Path, help="measure `eole serve` with this checkpoint instead")
     v.add_argument("--eole-python", type=Path, help="the eole venv's python")
     v.add_argument("--eole-spm", type=Path, help="the SentencePiece model of its data")

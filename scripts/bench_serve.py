@@ -215,8 +215,12 @@ def bench_serve(args: argparse.Namespace) -> None:
         return bench_eole(args, sentences)
     chunks = [c for c in args.clients if c > 1]
     cli = cli_rate(args.model, sentences, args.beam, args.threads, chunks, args.precision)
-    # With --tm: the server without it, then with it (serve --tm), in the same run.
-    for extra in [()] + ([("--tm", str(args.tm))] if args.tm is not None else []):
+    # With --tm or --compile: the server without, then with it (serve --tm, serve --compile),
+    # in the same run.
+    extras: list[tuple[str, ...]] = [()]
+    extras += [("--tm", str(args.tm))] if args.tm is not None else []
+    extras += [("--compile",)] if args.compile else []
+    for extra in extras:
         port = free_port()
         proc = start_server(
             args.model, port, args.batch_wait_ms, args.threads, args.workers, args.precision,
@@ -225,7 +229,7 @@ def bench_serve(args: argparse.Namespace) -> None:
         try:
             url = f"http://127.0.0.1:{port}"
             body = lambda chunk: {"text": chunk, "beam": args.beam}  # noqa: E731
-            rows(url, "/translate", body, sentences, args, cli, tm=bool(extra))
+            rows(url, "/translate", body, sentences, args, cli, extra)
         finally:
             proc.terminate()
             proc.wait(timeout=30)
@@ -238,7 +242,7 @@ def rows(
     sentences: list[str],
     args: argparse.Namespace,
     batch: tuple[float, dict[int, tuple[float, float]]],
-    tm: bool = False,
+    extra: tuple[str, ...] = (),
 ) -> None:
     """Warm up, measure the idle latency, then one JSON line per (clients, size), against the
     batch path (`batch`: cli_rate's, or a peer's rate and no chunked rates)."""
@@ -250,7 +254,8 @@ def rows(
             row = load(url, path, body, sentences, clients, size)
             row |= {
                 "beam": args.beam,
-                "tm": tm,
+                "tm": "--tm" in extra,
+                "compiled": "--compile" in extra,
                 "batch_wait_ms": args.batch_wait_ms,
                 "workers": getattr(args, "workers", 1),
                 "batch_sentences_per_s": round(batch, 1),

@@ -16,9 +16,10 @@ second. Where no C++ compiler is present or the compile fails, decoding keeps th
 and one line says why.
 
 The step writes the rows' keys and values into their cache buffers (decoding_state.Room) in
-place, at position `at`, and attends over the buffers' first T positions (T = at + 1, the
-length of `self_mask`); the embedding, the last layer norm and the output layer (which a
-shortlist may replace) stay outside, as does search.
+place, at position `at`, and attends over the last L positions up to it (L: the length of
+`self_mask` (N, 1, 1, L), -inf where a row that joined a running pool has no position; the
+positions before them are no row's, decoding_state.Room.start); the embedding, the last
+layer norm and the output layer (which a shortlist may replace) stay outside, as does search.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.fx.experimental._config as fx_config
 import torch.nn.functional as F
 from torch import nn
 
@@ -63,12 +65,13 @@ class _Linear(nn.Module):
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """softmax(q kᵀ / √d_h + mask) v for one query a row: q (N, h, 1, d_h), k, v (N, h, T,
-    d_h), mask additive (N|1, 1, 1, T) -> (N, h, d_h). As element-wise products and sums,
-    which Inductor fuses into loops: a matrix product here would make export guard on the
-    keys' layout (T below the cache's capacity or at it)."""
-    scores = (q * k).sum(-1) * q.size(-1) ** -0.5 + mask.squeeze(2)  # (N, h, T)
-    return (scores.softmax(-1).unsqueeze(-1) * v).sum(-2)
+    """softmax(q kᵀ / √d_h + mask) v: q (B, h, G, d_h) (G queries a row: a sentence's beams
+    over its memory), k, v (B, h, T, d_h), mask additive (B|1, 1, 1, T) -> (B, h, G, d_h).
+    As element-wise products and sums, which Inductor fuses into loops: a matrix product here
+    would make export guard on the keys' layout (T below the cache's capacity, or at it) and
+    on G (1 or not)."""
+    scores = (q.unsqueeze(3) * k.unsqueeze(2)).sum(-1) * q.size(-1) ** -0.5 + mask  # (B, h, G, T)
+    return (scores.softmax(-1).unsqueeze(-1) * v.unsqueeze(2)).sum(-2)
 
 
 class _Layer(nn.Module):
@@ -99,26 +102,29 @@ class _Layer(nn.Module):
         self,
         x: Tensor,
         at: Tensor,
+        upto: int,
         self_mask: Tensor,
         keys: Tensor,
         values: Tensor,
         memory: tuple[Tensor, Tensor, Tensor],
     ) -> Tensor:
         """x (N, d) -> (N, d); keys, values (N, h, capacity, d_h) take this step's k and v at
-        position `at` (1,); memory: cross-attention's keys, values (N, h, S, d_h) and the
-        source mask (N, 1, 1, S), a row's each (greedy search: a sentence a row)."""
+        position `at` (1,) (= upto - 1), and positions upto - L .. upto - 1 are attended to
+        (L: self_mask's length); memory: cross-attention's keys, values (B, h, S, d_h) and the
+        source mask (B, 1, 1, S), each of B sentences read by N // B rows (its beams)."""
         N, d = x.shape
         h_ = self.heads
         d_h = d // h_
-        T = self_mask.size(-1)
+        first = upto - self_mask.size(-1)
         q, k, v = self.qkv(self._in(0, x)).view(N, 3, h_, 1, d_h).unbind(1)  # (N, h, 1, d_h)
         keys.index_copy_(2, at, k)
         values.index_copy_(2, at, v)
-        a = attend(q, keys[:, :, :T], values[:, :, :T], self_mask)  # (N, h, d_h)
+        a = attend(q, keys[:, :, first:upto], values[:, :, first:upto], self_mask)  # (N, h, 1, d_h)
         x = self._out(0, self.out(a.reshape(N, d)) + x)
         cross_k, cross_v, src_mask = memory
-        q = self.cross_q(self._in(1, x)).view(N, h_, 1, d_h)
-        a = attend(q, cross_k, cross_v, src_mask).reshape(N, d)  # (N, d)
+        B = cross_k.size(0)
+        q = self.cross_q(self._in(1, x)).view(B, -1, h_, d_h).transpose(1, 2)  # (B, h, G, d_h)
+        a = attend(q, cross_k, cross_v, src_mask).transpose(1, 2).reshape(N, d)
         x = self._out(1, self.cross_out(a) + x)
         f = self._act(self.ff_in(self._in(2, x)))  # (N, ff)
         return self._out(2, self.ff_out(f) + x)
@@ -136,15 +142,20 @@ class DecoderLayers(nn.Module):
         self,
         x: Tensor,
         at: Tensor,
+        upto: Tensor,
         self_mask: Tensor,
         caches: list[Tensor],
         memory: list[Tensor],
         src_mask: Tensor,
     ) -> Tensor:
-        torch._check(self_mask.size(-1) <= caches[0].size(2))
+        """`upto` (at + 1,): its length says how far the caches are filled after this step
+        (a size, which export keeps symbolic; `at` is the tensor index_copy_ takes)."""
+        T = upto.size(0)
+        torch._check(self_mask.size(-1) <= T)
+        torch._check(caches[0].size(2) >= T)
         for i, layer in enumerate(self.layers):
             kv = (memory[2 * i], memory[2 * i + 1], src_mask)
-            x = layer(x, at, self_mask, caches[2 * i], caches[2 * i + 1], kv)
+            x = layer(x, at, T, self_mask, caches[2 * i], caches[2 * i + 1], kv)
         return x
 
 
@@ -165,27 +176,27 @@ def covers(layers: list[LeanLayer | None]) -> str | None:
 
 
 def _examples(module: DecoderLayers, d: int) -> tuple:
-    """Inputs to trace with: 3 rows, 5 positions of 8, 7 source positions (none 0 or 1:
-    export would take such a size for a constant)."""
+    """Inputs to trace with: 6 rows of 3 sentences (2 beams each), 5 positions of 8, 7 source
+    positions."""
     first = module.layers[0]
     h = first.heads
-    rows, positions, capacity, source = 3, 5, 8, 7
-    sentences = rows
+    rows, sentences, positions, capacity, source = 6, 3, 5, 8, 7
     caches = [torch.zeros(rows, h, capacity, d // h) for _ in range(2 * len(module.layers))]
     memory = [torch.randn(sentences, h, source, d // h) for _ in range(2 * len(module.layers))]
     return (
-        torch.randn(rows, d), torch.tensor([positions - 1]), torch.zeros(1, 1, 1, positions),
-        caches, memory, torch.zeros(sentences, 1, 1, source),
+        torch.randn(rows, d), torch.tensor([positions + 1]), torch.empty(positions + 2),
+        torch.zeros(rows, 1, 1, positions), caches, memory, torch.zeros(sentences, 1, 1, source),
     )  # fmt: skip
 
 
 def _dynamic_shapes(layers: int) -> tuple:
     Dim = torch.export.Dim
-    n = Dim("rows", min=1, max=1 << 16)
+    n, b = Dim("rows", min=1, max=1 << 16), Dim("sentences", min=1, max=1 << 16)
     t, cap, s = Dim("t", min=1, max=1 << 14), Dim("capacity", min=1, max=1 << 14), Dim("s")
+    upto = Dim("upto", min=1, max=1 << 14)
     caches = [{0: n, 2: cap}] * (2 * layers)
-    memory = [{0: n, 2: s}] * (2 * layers)
-    return ({0: n}, None, {3: t}, caches, memory, {0: n, 3: s})
+    memory = [{0: b, 2: s}] * (2 * layers)
+    return ({0: n}, None, {0: upto}, {0: n, 3: t}, caches, memory, {0: b, 3: s})
 
 
 def fingerprint(module: DecoderLayers) -> str:
@@ -219,10 +230,13 @@ def _compiler_missing() -> str | None:
 
 
 def _compile(module: DecoderLayers, d: int, path: Path) -> None:
-    """Export the module and write its AOTInductor package to `path` (atomically)."""
-    exported = torch.export.export(
-        module, _examples(module, d), dynamic_shapes=_dynamic_shapes(len(module.layers))
-    )
+    """Export the module and write its AOTInductor package to `path` (atomically). Sizes are
+    traced size-obliviously: a size seen as 2 or more in the examples is not taken to be
+    other than 1 (one package for greedy rows, a sentence a row, and beams)."""
+    with fx_config.patch(backed_size_oblivious=True):
+        exported = torch.export.export(
+            module, _examples(module, d), dynamic_shapes=_dynamic_shapes(len(module.layers))
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as work:
         made = Path(work) / path.name

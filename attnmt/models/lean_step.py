@@ -232,11 +232,11 @@ class LeanStep:
         x = model.tgt_embed(prev_tokens.unsqueeze(1), offset=offset)  # (N, 1, d)
         N, _, d = x.shape
         x = x.view(N, d)  # (N, d)
+        masks = [model._joined_mask(s) for s in states]  # (n, 1, 1, t+1) or None each
         if self.compiled is not None and len(states) == 1 and _graph_applies(x, states):
-            ran = _run_compiled(self.compiled, x, memories[0], states[0])
+            ran = _run_compiled(self.compiled, x, memories[0], states[0], masks[0])
             if ran is not None:
                 return self._logits(ran[0], [ran[1]], states)
-        masks = [model._joined_mask(s) for s in states]  # (n, 1, 1, t+1) or None each
         graph = self.graph() if _graph_applies(x, states) else None
         if graph is not None:
             x, caches = _run_graph(graph, x, memories, states, sizes, masks)
@@ -369,32 +369,32 @@ def _run_compiled(
     x: Tensor,
     memory: TransformerMemory,
     state: TransformerState,
+    self_mask: Tensor | None,
 ) -> tuple[Tensor, list] | None:
     """The decoder's layers by the compiled step (models.compiled_step): x (N, d) -> (N, d)
     and the caches grown by one position, written in place into the Rooms room_for_next
-    gives (as append_position); None where it does not run this step (rows at their own
-    positions, positions before a Room's start, SSRU caches, buffers not fp32 or not
-    contiguous), the state untouched."""
-    N, t = x.size(0), state.caches[0].self_k.size(2) if state.caches else 0
-    if not isinstance(state.position, int) or not state.caches or memory.src_mask.size(0) != N:
-        return None  # (a sentence's rows are its beams: the lean step)
-    for c in state.caches:
-        if not isinstance(c, LayerCache) or c.room is None or c.self_k.dtype != torch.float32:
-            return None
-        if state.rows is None and c.room.takes(t) and c.room.start != 0:
-            return None  # positions before start may be garbage: the lean step slices them off
-    rooms = [room_for_next(c, state.rows, N) for c in state.caches]  # type: ignore[arg-type]
-    buffers = [b[:N] for r in rooms for b in (r.k, r.v)]  # (N, h, capacity, d_h) each
-    if (
-        len({(r.filled, r.k.size(2)) for r in rooms}) > 1
-        or any(r.start for r in rooms)
-        or not all(b.is_contiguous() for b in buffers)
+    gives (as append_position); rows at their own positions (a pool's joins) see what
+    self_mask (N, 1, 1, t+1) lets them. None where it does not run this step (SSRU caches,
+    buffers not fp32 or not contiguous)."""
+    N = x.size(0)
+    if not state.caches or not all(
+        isinstance(c, LayerCache) and c.room is not None and c.self_k.dtype == torch.float32
+        for c in state.caches
     ):
         return None
-    at = rooms[0].filled
-    mask = x.new_zeros(1, 1, 1, at + 1)  # every position so far, and this one
+    rooms = [room_for_next(c, state.rows, N) for c in state.caches]  # type: ignore[arg-type]
+    buffers = [b[:N] for r in rooms for b in (r.k, r.v)]  # (N, h, capacity, d_h) each
+    if len({(r.filled, r.start, r.k.size(2)) for r in rooms}) > 1 or not all(
+        b.is_contiguous() for b in buffers
+    ):
+        return None
+    at, start = rooms[0].filled, rooms[0].start
+    mask = x.new_zeros(N, 1, 1, at + 1 - start) if self_mask is None else self_mask.contiguous()
     cross = [t.contiguous() for kv in memory.cross for t in kv]
-    x = compiled(x, torch.tensor([at]), mask, buffers, cross, memory.src_mask.contiguous())
+    x = compiled(
+        x, torch.tensor([at]), torch.empty(at + 1), mask, buffers, cross,
+        memory.src_mask.contiguous(),
+    )  # fmt: skip
     for room in rooms:
         room.filled += 1
     return x, [room.cache(N) for room in rooms]

@@ -1,5 +1,5 @@
 """models.compiled_step: the decoder's layers compiled ahead of time (AOTInductor) decode what
-the lean step decodes (greedy, and beam search whose first step it takes), are compiled once
+the lean step decodes (greedy, and beam search with its beams reordered), are compiled once
 and then loaded from the cache folder, and step aside with one line where no compiler is
 found; `attnmt translate --compile` gives the uncompiled output."""
 
@@ -17,7 +17,7 @@ from attnmt.decoding.precision import for_decoding
 from attnmt.decoding.search import Beam, SearchOptions
 from attnmt.models import compiled_step, lean_step
 
-from helpers import random_batch, tiny_model
+from helpers import keep_and_join, random_batch, tiny_model
 
 needs_compiler = pytest.mark.skipif(
     compiled_step._compiler_missing() is not None, reason="no C++ compiler (g++) here"
@@ -65,14 +65,46 @@ def test_compiled_layers_find_the_lean_steps_hypotheses(overrides, cache, monkey
     run = lean_step._run_compiled
     monkeypatch.setattr(lean_step, "_run_compiled", lambda *a: ran.append(r := run(*a)) or r)
     _same(_searches(model), _searches(plain))
-    assert any(r is not None for r in ran)  # greedy's steps and beam search's first
-    assert any(r is None for r in ran)  # beam search's later steps: the lean step's
+    assert ran and all(r is not None for r in ran)  # every step, greedy's and the beams'
     # A second model from the same weights loads the package from the cache, not compiling.
     again = for_decoding(tiny_model("transformer", **overrides).eval(), "fp32")
     compiled_step.attach(again, "fp32")
     assert "compiling" not in capsys.readouterr().err
     assert again.lean_step.compiled.path == model.lean_step.compiled.path
     assert len(list(cache.glob("*.pt2"))) == 1
+
+
+@needs_compiler
+def test_rows_that_join_a_running_pool_step_as_with_the_lean_step(cache, monkeypatch):
+    """A server's greedy pool: rows leave, newcomers join at their own positions (masked)."""
+    model = for_decoding(tiny_model("transformer").eval(), "fp32")
+    plain = copy.deepcopy(model)
+    compiled_step.attach(model, "fp32")
+    ran = []
+    run = lean_step._run_compiled
+    monkeypatch.setattr(lean_step, "_run_compiled", lambda *a: ran.append(r := run(*a)) or r)
+    a, b = random_batch(seed=1, B=4), random_batch(seed=2, B=2)
+    found = []
+    with torch.no_grad():
+        for m in (model, plain):
+            memory = m.encode(a.src, a.src_pad_mask)
+            state, prev, out = m.init_state(memory), torch.full((4,), 2), []
+            for step in range(7):
+                if step == 2:  # rows 1 and 3 leave, two newcomers join
+                    keep = torch.tensor([0, 2])
+                    memory, state, prev = keep_and_join(m, memory, state, prev, keep, b)
+                if step == 4:  # the first rows leave: the caches' first positions are no row's
+                    keep = torch.tensor([2, 3])
+                    memory, state = m.keep_rows(memory, state, keep)
+                    prev = prev[keep]
+                    assert state.caches[0].room.start > 0
+                logits, state, _ = m.decode_step(memory, state, prev)
+                out.append(logits)
+                prev = logits.argmax(1)
+            found.append(out)
+    assert len(ran) == 7 and all(r is not None for r in ran)
+    for x, y in zip(*found, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
 
 
 def test_without_a_compiler_decoding_goes_on_and_says_why(cache, monkeypatch, capsys, tmp_path):
