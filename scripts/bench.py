@@ -297,7 +297,7 @@ def main() -> int:
     p.add_argument("--precision", type=lambda s: s.split(","), default=["fp32", "int8"])
     p.add_argument("--runs", type=int, default=5, help="alternated rounds (median)")
     p.add_argument("--threads", type=int, default=1, help="threads of each toolkit")
-    p.add_argument("--compile", action="store_true", help="attnmt compiled too (fp32)")
+    p.add_argument("--compile", action="store_true", help="attnmt compiled too")
     o = sub.add_parser("onnx", help="ONNX and the web page beside attnmt (fp32, int8)")
     o.add_argument("--model", type=Path, required=True, help="model directory")
     o.add_argument("--data", type=Path, default=Path("data/multi30k"), help="Multi30k folder")

@@ -8,7 +8,7 @@ target prefix of L pieces (a row cannot end before it). A step's cost is (t(30) 
 the encoder and the first steps cancel out. The two toolkits alternate run by run in one
 process (A B A B), --runs times each; the median is printed as one JSON line per rows,
 precision and toolkit: {"rows", "precision", "toolkit", "ms_per_step", ...}. With --compile,
-attnmt with its compiled step (models.compiled_step, fp32) is a third side ("attnmt-compiled").
+attnmt with its compiled step (models.compiled_step) is a third side ("attnmt-compiled").
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def bench_step(args: argparse.Namespace) -> None:
                 intra_threads=args.threads, inter_threads=1,
             )  # fmt: skip
             compiled = None  # --compile: the compiled step too, a third side
-            if args.compile and precision == "fp32":
+            if args.compile:
                 compiled = Translator.load(
                     args.model, "cpu", precision=precision, threads=args.threads, compile=True
                 )

@@ -39,6 +39,7 @@ import torch.fx.experimental._config as fx_config
 import torch.nn.functional as F
 from torch import nn
 
+from attnmt.kernels.int8 import Int8Linear
 from attnmt.models.lean_step import LeanLayer, LeanStep, Product
 from attnmt.models.transformer import TransformerSeq2Seq
 
@@ -64,6 +65,37 @@ class _Linear(nn.Module):
         return torch.addmm(self.bias, x, self.weight_t)  # (N, K) -> (N, N_out)
 
 
+class _Int8Linear(nn.Module):
+    """x Wᵀ + b in 8-bit integers from an Int8Linear's weight (int8, a symmetric scale per
+    output row s_W): each input row quantized symmetrically, s_x = max|x_row| / 127,
+
+        y = s_x s_W (q_x q_Wᵀ) + b        q_x = round(x / s_x)
+
+    (Int8Linear's fbgemm call quantizes x asymmetrically to uint8, one scale per call: the
+    outputs differ by rounding.)"""
+
+    def __init__(self, layer: Int8Linear) -> None:
+        super().__init__()
+        q = layer.q_weight
+        bias = layer.bias if layer.bias is not None else torch.zeros(layer.out_features)
+        self.q_weight_t = nn.Parameter(q.int_repr().t().contiguous(), requires_grad=False)
+        scales = q.q_per_channel_scales().float()
+        self.scales = nn.Parameter(scales, requires_grad=False)  # (N_out,)
+        self.bias = nn.Parameter(bias.detach().float().clone(), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        s_x = x.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127  # (N, 1)
+        q_x = (x / s_x).round().to(torch.int8)  # (N, K)
+        return torch._int_mm(q_x, self.q_weight_t).float() * (s_x * self.scales) + self.bias
+
+
+def _product(product: Product) -> nn.Module:
+    """A lean step's product as the compiled step computes it: fp32 or int8."""
+    if isinstance(product.module, Int8Linear) and product.weight_t is None:
+        return _Int8Linear(product.module)
+    return _Linear(product)
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     """softmax(q kᵀ / √d_h + mask) v: q (B, h, G, d_h) (G queries a row: a sentence's beams
     over its memory), k, v (B, h, T, d_h), mask additive (B|1, 1, 1, T) -> (B, h, G, d_h).
@@ -82,9 +114,9 @@ class _Layer(nn.Module):
         super().__init__()
         assert lean.qkv is not None and lean.out is not None
         self.norms = nn.ModuleList(lean.norms)
-        self.qkv, self.out = _Linear(lean.qkv), _Linear(lean.out)
-        self.cross_q, self.cross_out = _Linear(lean.cross_q), _Linear(lean.cross_out)
-        self.ff_in, self.ff_out = _Linear(lean.ff_in), _Linear(lean.ff_out)
+        self.qkv, self.out = _product(lean.qkv), _product(lean.out)
+        self.cross_q, self.cross_out = _product(lean.cross_q), _product(lean.cross_out)
+        self.ff_in, self.ff_out = _product(lean.ff_in), _product(lean.ff_out)
         self.heads, self.pre_norm, self.activation = lean.heads, pre_norm, activation
 
     def _in(self, i: int, x: Tensor) -> Tensor:
@@ -161,18 +193,25 @@ class DecoderLayers(nn.Module):
 
 def covers(layers: list[LeanLayer | None]) -> str | None:
     """Why the compiled step cannot run these layers, or None where it can: self-attention
-    with q, k, v stacked, fp32 products with biases, layer norms with both parameters."""
+    with q, k, v stacked, fp32 products with biases or int8 ones (Int8Linear), layer norms
+    with both parameters."""
     for lean in layers:
         if lean is None:
             return "rotary positions"
         if lean.ssru is not None:
             return "an SSRU decoder"
         products = [lean.qkv, lean.out, lean.cross_q, lean.cross_out, lean.ff_in, lean.ff_out]
-        if any(p is None or p.weight_t is None or p.bias is None for p in products):
-            return "products that are not fp32 with a bias"
+        if any(p is None or not _compilable(p) for p in products):
+            return "products that are neither fp32 with a bias nor int8"
         if any(not isinstance(n, nn.LayerNorm) or n.bias is None for n in lean.norms):
             return "norms other than LayerNorm with a bias"
     return None
+
+
+def _compilable(product: Product) -> bool:
+    if product.weight_t is not None:
+        return product.bias is not None
+    return isinstance(product.module, Int8Linear)
 
 
 def _examples(module: DecoderLayers, d: int) -> tuple:
@@ -296,8 +335,8 @@ def attach(model: nn.Module, precision: str, device: str = "cpu") -> None:
     transformers = [m for m in model.modules() if isinstance(m, TransformerSeq2Seq)]
     steps = [m.lean_step for m in transformers if isinstance(m.lean_step, LeanStep)]
     why = None if steps else "it compiles a Transformer's decoder"
-    if precision != "fp32" or device != "cpu":
-        why = f"fp32 on the CPU only for now, not {precision} on {device}"
+    if precision not in ("fp32", "int8") or device != "cpu":
+        why = f"fp32 and int8 on the CPU only for now, not {precision} on {device}"
     if why is not None:
         _say(f"compiled step: not used ({why}); decoding steps as before")
         return
@@ -305,7 +344,7 @@ def attach(model: nn.Module, precision: str, device: str = "cpu") -> None:
         lean = transformer.lean_step
         if isinstance(lean, LeanStep):
             activation = transformer.decoder_layers[0].ff.activation
-            d = transformer.output.weight.size(1)
+            d = transformer.tgt_embed.embed.weight.size(1)  # d_model
             lean.compiled = compiled_layers(lean.layers, lean.pre_norm, activation, d)
 
 

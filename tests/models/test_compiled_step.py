@@ -75,6 +75,38 @@ def test_compiled_layers_find_the_lean_steps_hypotheses(overrides, cache, monkey
 
 
 @needs_compiler
+def test_int8_layers_compiled_step_as_int8_does(cache, monkeypatch):
+    """int8: the compiled products quantize each input row symmetrically where fbgemm quantizes
+    a call's input asymmetrically; a step's logits agree with the lean step's to int8's
+    rounding, along the same tokens (the fp32 model's greedy ones)."""
+    fp32 = for_decoding(tiny_model("transformer").eval(), "fp32")
+    model = for_decoding(tiny_model("transformer").eval(), "int8")
+    plain = copy.deepcopy(model)
+    compiled_step.attach(model, "int8")
+    ran = []
+    run = lean_step._run_compiled
+    monkeypatch.setattr(lean_step, "_run_compiled", lambda *a: ran.append(r := run(*a)) or r)
+    batch = random_batch(seed=5, B=4)
+    tokens = [torch.full((4,), 2)]  # BOS, then the fp32 model's greedy tokens
+    found = []
+    with torch.no_grad():
+        for m in (fp32, model, plain):
+            memory = m.encode(batch.src, batch.src_pad_mask)
+            state, out = m.init_state(memory), []
+            for step in range(5):
+                logits, state, _ = m.decode_step(memory, state, tokens[step])
+                out.append(logits)
+                if m is fp32:
+                    tokens.append(logits.argmax(1))
+            found.append(torch.stack(out))
+    assert len(ran) == 5 and all(r is not None for r in ran)
+    fp32_logits, compiled, lean = found
+    scale = fp32_logits.abs().max()
+    assert (compiled - lean).abs().max() < 0.05 * scale
+    assert (compiled - fp32_logits).abs().max() < 0.05 * scale
+
+
+@needs_compiler
 def test_rows_that_join_a_running_pool_step_as_with_the_lean_step(cache, monkeypatch):
     """A server's greedy pool: rows leave, newcomers join at their own positions (masked)."""
     model = for_decoding(tiny_model("transformer").eval(), "fp32")
@@ -121,7 +153,10 @@ def test_without_a_compiler_decoding_goes_on_and_says_why(cache, monkeypatch, ca
 
 @pytest.mark.parametrize(
     ("arch", "precision", "why"),
-    [("transformer", "int8", "fp32 on the CPU only"), ("rnn", "fp32", "a Transformer's decoder")],
+    [
+        ("transformer", "bf16", "fp32 and int8 on the CPU only"),
+        ("rnn", "fp32", "a Transformer's decoder"),
+    ],
 )
 def test_what_it_does_not_compile_is_said(arch, precision, why, cache, capsys):
     model = for_decoding(tiny_model(arch).eval(), precision)
