@@ -58,8 +58,8 @@ CompileOption = Annotated[
     bool,
     typer.Option(
         "--compile/--no-compile",
-        help="Decode with the Transformer's step compiled ahead of time (fp32, CPU): compiled "
-        "once per model and machine (15-30 s), then loaded from its cache folder.",
+        help="Decode with the Transformer's step compiled ahead of time (fp32 or int8, CPU): "
+        "compiled once per model and machine (15-30 s), then loaded from its cache folder.",
     ),
 ]
 WorkersOption = Annotated[
