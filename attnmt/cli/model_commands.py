@@ -207,7 +207,8 @@ def serve(
         from attnmt.serve.workers import ForkedScheduler
     except ImportError as e:
         raise AttnmtError(
-            f'attnmt serve needs the serve extra ({e.name} is missing): pip install "attnmt[serve]"'
+            f"attnmt serve needs the serve extra ({e.name} is missing): "
+            'pip install torch==2.13.0 "attnmt[serve]"'
         ) from None
 
     if tm_write and tm is None:

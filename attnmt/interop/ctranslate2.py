@@ -188,7 +188,7 @@ def _import_ctranslate2() -> Any:
         import ctranslate2.specs.transformer_spec
     except ImportError:
         raise AttnmtError(
-            "export needs CTranslate2: pip install 'attnmt[export]' (or ctranslate2)"
+            "export needs CTranslate2: pip install torch==2.13.0 'attnmt[export]' (or ctranslate2)"
         ) from None
     return ctranslate2
 

@@ -289,5 +289,6 @@ def import_onnx() -> None:
         import onnxscript  # noqa: F401
     except ImportError:
         raise AttnmtError(
-            "--format onnx needs onnx, onnxscript and onnxruntime: pip install 'attnmt[onnx]'"
+            "--format onnx needs onnx, onnxscript and onnxruntime: "
+            "pip install torch==2.13.0 'attnmt[onnx]'"
         ) from None

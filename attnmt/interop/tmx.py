@@ -20,7 +20,9 @@ def _tmx() -> Any:
     try:
         from translate.storage import tmx
     except ImportError:
-        raise AttnmtError("TMX needs translate-toolkit: pip install 'attnmt[tm]'") from None
+        raise AttnmtError(
+            "TMX needs translate-toolkit: pip install torch==2.13.0 'attnmt[tm]'"
+        ) from None
     return tmx
 
 

@@ -145,6 +145,11 @@ def test_the_page_translates_in_the_browser_as_attnmt(tmp_path: Path, trained, b
             "return performance.getEntriesByType('resource').map((e) => e.name)"
         )
         assert requests and all(r.startswith(base) for r in requests)  # nothing from elsewhere
+    # Opened as a file (a folder received by mail): the page says to serve it, and is ready.
+    browser.get((out / "index.html").as_uri())
+    WebDriverWait(browser, 60).until(lambda d: d.find_element(By.CSS_SELECTOR, "body[data-ready]"))
+    error = browser.find_element(By.ID, "error").text
+    assert "opened as a file" in error and "python -m http.server" in error
 
 
 def test_a_missing_runtime_is_one_line(tmp_path: Path, trained, run_cli):

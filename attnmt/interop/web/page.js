@@ -19,7 +19,12 @@
     model = await AttnmtSearch.load("model/");
   } catch (e) {
     $("status").textContent = "";
-    $("error").textContent = `the model could not be loaded: ${e.message || e}`;
+    $("error").textContent = location.protocol === "file:"
+      ? "This page was opened as a file, and a browser does not let such a page read its " +
+        "model. Serve its folder instead: in a terminal, python -m http.server -d FOLDER " +
+        "8000 (FOLDER: the one holding index.html), then open http://localhost:8000/"
+      : `the model could not be loaded: ${e.message || e}`;
+    document.body.dataset.ready = "1";  // what a waiting script reads: loading is over
     return;
   }
   const threads = ort.env.wasm.numThreads;
