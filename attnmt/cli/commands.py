@@ -52,6 +52,7 @@ COMMANDS = [
     ("split", "Clean a corpus and split it into train, dev and test.", training.split_corpus),
     ("import", "Import a pretrained OPUS-MT / MarianMT model.", models.import_model),
     ("export", "Export to CTranslate2, Hugging Face, ONNX or a web page.", models.export),
+    ("pack", "Copy what translating needs into a folder to ship.", models.pack),
     ("plot", "Draw training curves into a PNG.", training.plot),
     ("serve", "Serve translations over HTTP, with a page.", models.serve),
     ("shortlist", "Build a model's lexical shortlist (faster decoding).", decoding.shortlist),

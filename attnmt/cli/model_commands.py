@@ -1,5 +1,5 @@
 """The `attnmt` commands that take models in and out of attnmt, and serve them: import,
-export and serve.
+export, pack and serve.
 
 Parsed here, computed by the library (attnmt.cli.commands registers them on the app).
 """
@@ -130,6 +130,26 @@ def export(
     files = export_ctranslate2(model, out, weights, quantization, force)
     typer.echo(f"{out}: {', '.join(files)}")
     report_agreement(out, model, weights, check, quantization)
+
+
+def pack(
+    model: Annotated[Path, typer.Argument(help="Trained model directory.")],
+    out: Annotated[Path, typer.Argument(help="The directory to write (new or empty).")],
+    weights: Annotated[str, typer.Option(
+        "--weights", help="Which weights: best, last, averaged, step-N or a path.")] = "best",
+    force: Annotated[bool, typer.Option("--force", help="Replace OUT.")] = False,
+) -> None:  # fmt: skip
+    """Copy what translating needs into OUT, to ship: config, tokenizer, the chosen weights
+    (as best.safetensors), the shortlist; no checkpoints, corpus or logs."""
+    from attnmt.interop.pack import pack_model
+
+    packed = pack_model(model, out, weights, force)
+    mb = 1 / 2**20
+    typer.echo(
+        f"packed {model} ({packed.weights.name}) into {out}: {', '.join(packed.files)}; "
+        f"{packed.size * mb:.1f} MB (the model directory: {packed.source_size * mb:.1f} MB). "
+        f"Translate with: attnmt translate -m {out}"
+    )
 
 
 def _export_onnx(
