@@ -352,6 +352,7 @@ class TrainConfig(_Section):
     early_stopping: Literal["bleu", "chrf", "loss"] = "bleu"  # the dev metric that picks best
     time_budget: float | None = Field(None, gt=0.0)  # seconds; YAML may say 30m, 2h, 1h30m, 90s
     init_from: Path | None = None  # fine-tune: start from this model directory's weights
+    init_weights: str = Field("best", pattern=r"^(best|last|averaged|step-\d+)$")  # init_from's
     adapters: AdapterConfig | None = None  # fine-tune LoRA adapters only (needs init_from)
     tensorboard: bool = True  # scalars and dev examples in DIR/tensorboard/
     log_every: int = Field(100, ge=1)

@@ -95,7 +95,16 @@ def test_init_from_on_the_command_line(tmp_path: Path, source, run_cli):
         "train", "-c", str(cfg), "-o", str(tmp_path / "ft"), "-q", "--init-from", str(source_dir)
     )
     assert r.code == 0, r
-    assert any(e["event"] == "init_from" for e in events(tmp_path / "ft"))
+    init = next(e for e in events(tmp_path / "ft") if e["event"] == "init_from")
+    assert init["weights"].endswith("best.safetensors")
+    # --weights: which of its weights start the run (train.init_weights).
+    args = ["train", "-c", str(cfg), "-q", "--init-from", str(source_dir)]
+    r = run_cli(*args, "-o", str(tmp_path / "ft-last"), "--weights", "last")
+    assert r.code == 0, r
+    init = next(e for e in events(tmp_path / "ft-last") if e["event"] == "init_from")
+    assert init["weights"].endswith("last.safetensors")
+    r = run_cli(*args, "-o", str(tmp_path / "ft-no"), "--weights", "newest")
+    assert r.code == 2 and "train.init_weights" in r.stderr and r.stderr.count("\n") == 1, r
 
 
 def foreign_spm(path: Path, lines: list[str]) -> Path:

@@ -39,6 +39,9 @@ def train_command(
         "--quiet", "-q", help="No progress bar or log lines on stderr.")] = False,
     init_from: Annotated[Path | None, typer.Option(
         "--init-from", help="Fine-tune: start from this model directory.")] = None,
+    weights: Annotated[str | None, typer.Option(
+        "--weights", help="With --init-from: which of its weights start the run: best "
+        "(default), last, averaged or step-N (train.init_weights).")] = None,
     time_budget: Annotated[str | None, typer.Option(
         "--time-budget", help="Stop by wall clock, e.g. 30m, 2h, 1h30m, 90s.")] = None,
 ) -> None:  # fmt: skip
@@ -51,6 +54,8 @@ def train_command(
     overrides = list(overrides or [])
     if init_from is not None:
         overrides.append(f"train.init_from={json.dumps(str(init_from))}")  # JSON is YAML
+    if weights is not None:
+        overrides.append(f"train.init_weights={json.dumps(weights)}")
     if time_budget is not None:
         overrides.append(f"train.time_budget={json.dumps(time_budget)}")
     cfg = load_config(config, overrides)

@@ -189,10 +189,11 @@ MAX_META_BYTES = 1 << 20  # attnmt.json: a larger one is refused before it is re
 
 def adapter_base(cfg: Config) -> dict[str, str] | None:
     """What an adapter run (train.adapters) records of its base: the weights file it adapts
-    (train.init_from's best) and that file's tensors' SHA-256; None without adapters."""
+    (train.init_from's, train.init_weights) and that file's tensors' SHA-256; None without
+    adapters."""
     if cfg.train.adapters is None or cfg.train.init_from is None:
         return None
-    path = resolve_weights(cfg.train.init_from, "best").resolve()
+    path = resolve_weights(cfg.train.init_from, cfg.train.init_weights).resolve()
     return {"path": str(path), "sha256": tensors_sha256(read_tensors(path)[0])}
 
 

@@ -166,7 +166,7 @@ def setup(
         # When resuming, what the interrupted run logged after its checkpoint is hidden.
         log.board = Board(out, purge_step=run.progress.step + 1 if checkpoint else None)
     if checkpoint is None and t.init_from is not None:
-        start_from(run, t.init_from)  # its step-0 scores reach TensorBoard too
+        start_from(run, t.init_from, t.init_weights)  # its step-0 scores reach TensorBoard
     # DDP averages the gradients over the ranks during backward; it hooks into forward, which
     # is the model's training loss. torch.compile wraps what runs the step.
     if ranks.world > 1:
@@ -248,13 +248,14 @@ def restore(run: Run, weights_path: Path, state_path: Path) -> None:
         save_weights(run.model, run.out / LAST_FILE, run.tokenizer_digest)
 
 
-def start_from(run: Run, source_dir: Path) -> None:
-    """Fine-tuning: load the source model's best weights; log them with their dev scores (the
-    step-0 point of the curves: what fine-tuning starts from)."""
-    weights = resolve_weights(source_dir, "best")
+def start_from(run: Run, source_dir: Path, which: str = "best") -> None:
+    """Fine-tuning: load the source model's weights (`which`: best, last, averaged, step-N);
+    log them with their dev scores (the step-0 point of the curves: what fine-tuning starts
+    from)."""
+    weights = resolve_weights(source_dir, which)
     if read_run_files(source_dir)[0].train.adapters is not None:
         # Its weights files hold its adapters: the model they compute, merged, is the start.
-        merged = load_model_dir(source_dir, "best", run.device)[2]
+        merged = load_model_dir(source_dir, which, run.device)[2]
         run.model.load_state_dict(merged.state_dict())
     elif not has_adapters(run.model):  # with adapters, setup loaded it under them
         load_weights(run.model, weights, run.device, run.tokenizer_digest)
