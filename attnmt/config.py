@@ -349,7 +349,7 @@ class TrainConfig(_Section):
     eval_batch_tokens: int = Field(8000, ge=1)
     eval_beam: int = Field(1, ge=1, le=100)
     patience: int = Field(10, ge=1)
-    early_stopping: Literal["bleu", "chrf", "loss"] = "bleu"  # the dev metric that picks best
+    early_stopping: Literal["auto", "bleu", "chrf", "loss"] = "auto"  # dev metric: best
     time_budget: float | None = Field(None, gt=0.0)  # seconds; YAML may say 30m, 2h, 1h30m, 90s
     init_from: Path | None = None  # fine-tune: start from this model directory's weights
     init_weights: str = Field("best", pattern=r"^(best|last|averaged|step-\d+)$")  # init_from's

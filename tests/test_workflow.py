@@ -149,21 +149,42 @@ def test_an_unusable_sentencepiece_model_is_one_line(tmp_path: Path, corpus):
         from_dict(raw)
 
 
-@pytest.mark.parametrize("metric", ["loss", "chrf"])
+@pytest.mark.parametrize("metric", ["loss", "chrf", "auto"])
 def test_early_stopping_metric_picks_the_best_checkpoint(tmp_path: Path, corpus, metric):
+    """auto, the default, at a tiny model's BLEU (below 5: noise) ranks by chrF."""
     raw = tiny_config(corpus)
-    raw["train"].update(max_steps=8, eval_every=2, early_stopping=metric, keep_best=1, keep_last=1)
+    raw["train"].update(max_steps=8, eval_every=2, keep_best=1, keep_last=1)
+    if metric != "auto":
+        raw["train"]["early_stopping"] = metric
     out = tmp_path / "m"
     train(from_dict(raw), out, quiet=True)
     vals = [e for e in events(out) if e["event"] == "validation"]
+    if metric == "auto":
+        assert all(e["dev_bleu"] < 5 for e in vals)
+        assert all(e["best_shown"].startswith("chrF ") for e in vals)
+        for e in vals:
+            e["best"] += 100.0  # chrF - 100 below BLEU 5, so that any BLEU >= 5 ranks above
     key = "dev_loss" if metric == "loss" else "dev_chrf"
     pick = min if metric == "loss" else max
     best = pick(vals, key=lambda e: e[key])
     assert vals[-1]["best"] == pytest.approx(best[key]) and all(e["metric"] == metric for e in vals)
+    done = next(e for e in events(out) if e["event"] == "done")
+    assert done["best_shown"] == vals[-1]["best_shown"]
     improved = [e["step"] for e in vals if e["improved"]]
     assert improved[-1] == next(e["step"] for e in vals if e[key] == best[key])
     kept = sorted(p.name for p in (out / "checkpoints").glob("*.safetensors"))
     assert f"step-{improved[-1]:08d}.safetensors" in kept  # keep_best ranks by the metric
+
+
+def test_auto_ranks_by_bleu_from_5_and_by_chrf_below():
+    from attnmt.training.dev_metric import dev_score, shown
+
+    noise = [dev_score("auto", b, c, 4.0) for b, c in ((0.12, 5.35), (0.11, 7.29))]
+    assert noise[1] > noise[0]  # chrF decides where BLEU is noise
+    assert dev_score("auto", 5.0, 20.0, 3.0) > dev_score("auto", 4.9, 60.0, 3.0)
+    assert dev_score("auto", 12.3, 30.0, 3.0) > dev_score("auto", 12.2, 45.0, 3.0)
+    assert shown("auto", noise[1]) == "chrF 7.29" and shown("auto", 12.3) == "BLEU 12.30"
+    assert shown("loss", dev_score("loss", 0, 0, 4.415)) == "loss 4.415"
 
 
 def test_durations_and_the_budget_schedule():

@@ -32,6 +32,7 @@ from attnmt.models.directory import (
     write_tensors,
 )
 from attnmt.models.seq2seq import Seq2Seq
+from attnmt.training.dev_metric import dev_score
 
 LATEST = "latest.json"
 STATE_FORMAT_VERSION = 2  # 2: sealed (sealed_state); 1 still loads
@@ -49,19 +50,21 @@ def kept_checkpoints(model_dir: Path) -> dict[int, Path]:
 
 def dev_scores(model_dir: Path) -> dict[int, float]:
     """{step: dev score} of the validations in train_log.jsonl, higher is better, of the
-    metric each names (BLEU, chrF, or the dev loss negated)."""
+    metric each names (dev_metric.dev_score)."""
     scores = {}
     for number, event in read_jsonl(model_dir / LOG_JSONL):
         if event.get("event") == "validation":
             metric = event.get("metric", "bleu")
-            value = event.get("dev_loss" if metric == "loss" else f"dev_{metric}")
+            values = [event.get(k) for k in ("dev_bleu", "dev_chrf", "dev_loss")]
             step = event.get("step")
-            if not isinstance(step, int) or not isinstance(value, int | float | None):
+            if not isinstance(step, int) or not all(
+                isinstance(v, int | float | None) for v in values
+            ):
                 raise CheckpointError(
                     f"{model_dir / LOG_JSONL}:{number}: a validation event without a step or score"
                 )
-            if value is not None and math.isfinite(value):
-                scores[step] = -value if metric == "loss" else value
+            if all(v is not None and math.isfinite(v) for v in values):
+                scores[step] = dev_score(metric, *values)
     return scores
 
 

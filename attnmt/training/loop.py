@@ -29,8 +29,9 @@ from attnmt.kernels import mask_threads, matmul_backend
 from attnmt.models.directory import BEST_FILE, resolve_weights
 from attnmt.training import distributed
 from attnmt.training.checkpoints import discard_run, prepare_output_dir
+from attnmt.training.dev_metric import shown
 from attnmt.training.finetune import inherit
-from attnmt.training.runlog import METRIC_NAMES, ProgressBar, RunLog, ThroughputMeter
+from attnmt.training.runlog import ProgressBar, RunLog, ThroughputMeter
 from attnmt.training.setup import Run, fit_threads, setup
 from attnmt.training.step import (
     BUDGET_PROBE_STEPS,
@@ -180,6 +181,7 @@ def finish(run: Run, stop_reason: str, trained_s: float) -> dict[str, Any]:
         "epochs": min(p.epoch, t.max_epochs),
         "early_stopping": t.early_stopping,
         "best_dev": round(p.best_score if t.early_stopping != "loss" else -p.best_score, 4),
+        "best_shown": shown(t.early_stopping, p.best_score),
         "stop_reason": stop_reason,
         "skipped_nonfinite_steps": p.skipped_steps,
         "elapsed_s": round(run.elapsed(), 1),
@@ -189,7 +191,7 @@ def finish(run: Run, stop_reason: str, trained_s: float) -> dict[str, Any]:
     run.log.event(
         "done",
         f"done: {p.step} steps, {summary['epochs']} epochs, stopped by {stop_reason}, best dev "
-        f"{METRIC_NAMES[t.early_stopping]} {summary['best_dev']:.2f}, {trained_s / 60:.1f} min"
+        f"{shown(t.early_stopping, p.best_score)}, {trained_s / 60:.1f} min"
         + (f" training + {after / 60:.1f} min test scoring and averaging (after the time "
            "budget)" if after >= 1 else ""),
         **summary,

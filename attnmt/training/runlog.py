@@ -239,6 +239,3 @@ def log_data(
         src_vocab=len(tokenizer.src),
         tgt_vocab=len(tokenizer.tgt),
     )
-
-
-METRIC_NAMES = {"bleu": "BLEU", "chrf": "chrF", "loss": "loss"}

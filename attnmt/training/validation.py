@@ -23,6 +23,7 @@ from attnmt.training.checkpoints import (
     kept_checkpoints,
     save_checkpoint,
 )
+from attnmt.training.dev_metric import deciding, dev_score, shown
 from attnmt.training.resume import rng_state
 from attnmt.training.schedules import step_schedules
 from attnmt.training.scoring import score_dev_sets, score_test_sets
@@ -66,7 +67,7 @@ def validate_main(run: Run) -> bool:
     started = time.time()
     dev = score_dev_sets(run.model, run.tokenizer, run.dev_sets, run.cfg, run.device)
     loss = dev.loss
-    metric = {"bleu": dev.bleu, "chrf": dev.chrf, "loss": -loss}[t.early_stopping]
+    metric = dev_score(t.early_stopping, dev.bleu, dev.chrf, loss)
     finite = math.isfinite(loss) and all_finite(model)
     improved = finite and metric > p.best_score
     if improved:
@@ -85,7 +86,8 @@ def validate_main(run: Run) -> bool:
     # The schedules of the step just trained (the next step may take a new plateau scale).
     budget = (run.budget_used(), p.warmup_used)
     lr, tf = step_schedules(max(p.step, 1), run.cfg, p.plateau_scale, budget)
-    star = {k: " *" if improved and k == t.early_stopping else "" for k in ("bleu", "chrf", "loss")}
+    by = deciding(t.early_stopping, dev.bleu)
+    star = {k: " *" if improved and k == by else "" for k in ("bleu", "chrf", "loss")}
     run.log.event(
         "validation",
         f"step {p.step} | epoch {p.epoch} | dev loss {loss:.3f}{star['loss']} | ppl {ppl:.2f} | "
@@ -100,6 +102,7 @@ def validate_main(run: Run) -> bool:
         dev_chrf=dev.chrf,
         metric=t.early_stopping,
         best=p.best_score if t.early_stopping != "loss" else -p.best_score,
+        best_shown=shown(t.early_stopping, p.best_score),
         improved=improved,
         lr=lr,
         teacher_forcing=tf,
