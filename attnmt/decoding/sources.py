@@ -5,6 +5,7 @@ the words the CLI prints after "input line N: "."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from attnmt.data.tokenizer import EOS_ID, Tokenizer
@@ -26,9 +27,19 @@ def prepare_sources(
     encoded = tokenizer.src.encode([lines[i].strip() for i in todo])
     src = [[*source_prefix, *ids, EOS_ID] for ids in encoded]
     warned = _cut_long_sources(src, options)
+    for j, i in enumerate(todo):  # markup's lines come here without their tags
+        if TAG.search(lines[i]):
+            warned[j].append(
+                'holds XML/HTML tags, translated as words: --markup (HTTP: "markup": true) '
+                "keeps them around the translated text"
+            )
     starts = None if target_prefix is None else [list(target_prefix[i]) for i in todo]
     _long_prefixes(src, starts, options, warned)
     return src, starts, warned
+
+
+# An XML/HTML tag: <b>, </b>, <a href="…">, <br/> (not "a < b", nor "x<y").
+TAG = re.compile(r"</?[A-Za-z][\w:.-]*(?:\s[^<>]*)?/?>")
 
 
 def needed_tokens(

@@ -42,6 +42,10 @@ class Terminology:
         self.pattern = re.compile(rf"(?<!\w)(?:{forms}){end}", flags) if terms else None
         self._key = key
 
+    def all_terms(self) -> list[Term]:
+        """Each term once (a term with several forms is keyed by each)."""
+        return list({id(t): t for t in self.terms.values()}.values())
+
     @classmethod
     def load(cls, path: Path, ignore_case: bool = False, prefix: bool = False) -> Terminology:
         """Read a TSV file (plain or .gz) of `source<TAB>target` lines (a source may list forms

@@ -158,16 +158,18 @@ def check_agreement(
     for lang in langs:
         want = ours.translate(lines, beam=1, target_lang=lang)
         prefix = ours.tokenizer.src.pieces(ours.source_prefix(lang))
-        same = 0
-        for line, expected in zip(lines, want, strict=True):
+        got = []
+        for line in lines:
             pieces = prefix + ours.tokenizer.src.sp.encode(line, out_type=str)
             limit = output_limit(len(pieces) + 1, options)
-            got = theirs.translate_batch(
+            out_ = theirs.translate_batch(
                 [pieces], beam_size=1, max_decoding_length=limit,
                 suppress_sequences=never_output(ours.tokenizer),
             )  # fmt: skip
-            same += ours.tokenizer.tgt.sp.decode(got[0].hypotheses[0]) == expected
-        found.append(Agreement(same, len(lines), source, f"into {lang}" if lang else ""))
+            got.append(ours.tokenizer.tgt.sp.decode(out_[0].hypotheses[0]))
+        same = sum(g == w for g, w in zip(got, want, strict=True))
+        into = f"into {lang}" if lang else ""
+        found.append(Agreement(same, len(lines), source, into, ours=want, theirs=got))
     return found
 
 

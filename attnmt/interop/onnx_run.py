@@ -186,9 +186,11 @@ def check_agreement(
             else:
                 alpha, norm = info["length_penalty"], info["length_norm"]
                 got = [theirs.beam(s, beam, alpha, norm) for s in src]
-            same = sum(ours.tokenizer.tgt.decode(g) == w for g, w in zip(got, want, strict=True))
+            texts = [ours.tokenizer.tgt.decode(g) for g in got]
+            same = sum(t == w for t, w in zip(texts, want, strict=True))
             how = "greedy" if beam == 1 else f"beam {beam}"
-            found.append(Agreement(same, len(lines), source, f"into {lang}" if lang else "", how))
+            into = f"into {lang}" if lang else ""
+            found.append(Agreement(same, len(lines), source, into, how, want, texts))
     return found
 
 

@@ -108,13 +108,15 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
 
 class _Layer(nn.Module):
     """One decoder layer (DecoderLayer.step), pre- or post-norm:
-    x += SelfAttn(LN(x)); x += CrossAttn(LN(x), memory); x += FFN(LN(x))."""
+    x += SelfAttn(LN(x)) (or an SSRU: _SsruLayer); x += CrossAttn(LN(x), memory);
+    x += FFN(LN(x))."""
 
     def __init__(self, lean: LeanLayer, pre_norm: bool, activation: str) -> None:
         super().__init__()
-        assert lean.qkv is not None and lean.out is not None
         self.norms = nn.ModuleList(lean.norms)
-        self.qkv, self.out = _product(lean.qkv), _product(lean.out)
+        if lean.ssru is None:
+            assert lean.qkv is not None and lean.out is not None
+            self.qkv, self.out = _product(lean.qkv), _product(lean.out)
         self.cross_q, self.cross_out = _product(lean.cross_q), _product(lean.cross_out)
         self.ff_in, self.ff_out = _product(lean.ff_in), _product(lean.ff_out)
         self.heads, self.pre_norm, self.activation = lean.heads, pre_norm, activation
@@ -153,22 +155,59 @@ class _Layer(nn.Module):
         values.index_copy_(2, at, v)
         a = attend(q, keys[:, :, first:upto], values[:, :, first:upto], self_mask)  # (N, h, 1, d_h)
         x = self._out(0, self.out(a.reshape(N, d)) + x)
+        return self._cross_and_ff(x, memory)
+
+    def _cross_and_ff(self, x: Tensor, memory: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+        N, d = x.shape
+        h_ = self.heads
         cross_k, cross_v, src_mask = memory
         B = cross_k.size(0)
-        q = self.cross_q(self._in(1, x)).view(B, -1, h_, d_h).transpose(1, 2)  # (B, h, G, d_h)
+        q = self.cross_q(self._in(1, x)).view(B, -1, h_, d // h_).transpose(1, 2)  # (B, h, G, d_h)
         a = attend(q, cross_k, cross_v, src_mask).transpose(1, 2).reshape(N, d)
         x = self._out(1, self.cross_out(a) + x)
         f = self._act(self.ff_in(self._in(2, x)))  # (N, ff)
         return self._out(2, self.ff_out(f) + x)
 
 
+class _SsruLayer(_Layer):
+    """A decoder layer whose self-attention is an SSRU (attnmt.models.ssru):
+    f = σ(W_f h + b_f), c_t = f ⊙ c_{t−1} + (1 − f) ⊙ W h, x + ReLU(c_t)."""
+
+    def __init__(self, lean: LeanLayer, pre_norm: bool, activation: str) -> None:
+        super().__init__(lean, pre_norm, activation)
+        assert lean.ssru is not None
+        self.w = _product(lean.ssru)  # W and W_f side by side
+
+    def forward(
+        self,
+        x: Tensor,
+        at: Tensor,
+        upto: int,
+        self_mask: Tensor,
+        previous: Tensor,
+        c_out: Tensor,
+        memory: tuple[Tensor, Tensor, Tensor],
+    ) -> Tensor:
+        """x (N, d) -> (N, d); c_{t−1} `previous` (N, d), c_t written into `c_out` (N, d)."""
+        wx, gate = self.w(self._in(0, x)).chunk(2, dim=1)  # (N, d) each
+        f = torch.sigmoid(gate)
+        c = f * previous + (1 - f) * wx
+        c_out.copy_(c)
+        x = self._out(0, torch.relu(c) + x)
+        return self._cross_and_ff(x, memory)
+
+
 class DecoderLayers(nn.Module):
     """The decoder's layers at one step: x (N, d) -> (N, d), layer i's cache buffers
-    caches[2i], caches[2i+1] and its memory memory[2i], memory[2i+1] (keys, values)."""
+    caches[2i], caches[2i+1] (keys and values; an SSRU's c_{t−1} and the buffer for c_t) and
+    its memory memory[2i], memory[2i+1] (keys, values)."""
 
     def __init__(self, layers: list[LeanLayer], pre_norm: bool, activation: str) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(_Layer(lean, pre_norm, activation) for lean in layers)
+        self.layers = nn.ModuleList(
+            (_SsruLayer if lean.ssru is not None else _Layer)(lean, pre_norm, activation)
+            for lean in layers
+        )
 
     def forward(
         self,
@@ -184,8 +223,9 @@ class DecoderLayers(nn.Module):
         (a size, which export keeps symbolic; `at` is the tensor index_copy_ takes)."""
         T = upto.size(0)
         torch._check(self_mask.size(-1) <= T)
-        torch._check(caches[0].size(2) >= T)
         for i, layer in enumerate(self.layers):
+            if not isinstance(layer, _SsruLayer):
+                torch._check(caches[2 * i].size(2) >= T)
             kv = (memory[2 * i], memory[2 * i + 1], src_mask)
             x = layer(x, at, T, self_mask, caches[2 * i], caches[2 * i + 1], kv)
         return x
@@ -193,14 +233,13 @@ class DecoderLayers(nn.Module):
 
 def covers(layers: list[LeanLayer | None]) -> str | None:
     """Why the compiled step cannot run these layers, or None where it can: self-attention
-    with q, k, v stacked, fp32 products with biases or int8 ones (Int8Linear), layer norms
-    with both parameters."""
+    with q, k, v stacked or an SSRU, fp32 products with biases or int8 ones (Int8Linear),
+    layer norms with both parameters."""
     for lean in layers:
         if lean is None:
             return "rotary positions"
-        if lean.ssru is not None:
-            return "an SSRU decoder"
-        products = [lean.qkv, lean.out, lean.cross_q, lean.cross_out, lean.ff_in, lean.ff_out]
+        mix = [lean.ssru] if lean.ssru is not None else [lean.qkv, lean.out]
+        products = [*mix, lean.cross_q, lean.cross_out, lean.ff_in, lean.ff_out]
         if any(p is None or not _compilable(p) for p in products):
             return "products that are neither fp32 with a bias nor int8"
         if any(not isinstance(n, nn.LayerNorm) or n.bias is None for n in lean.norms):
@@ -220,7 +259,11 @@ def _examples(module: DecoderLayers, d: int) -> tuple:
     first = module.layers[0]
     h = first.heads
     rows, sentences, positions, capacity, source = 6, 3, 5, 8, 7
-    caches = [torch.zeros(rows, h, capacity, d // h) for _ in range(2 * len(module.layers))]
+    caches = [
+        torch.zeros(rows, d) if isinstance(layer, _SsruLayer) else
+        torch.zeros(rows, h, capacity, d // h)
+        for layer in module.layers for _ in range(2)
+    ]  # fmt: skip
     memory = [torch.randn(sentences, h, source, d // h) for _ in range(2 * len(module.layers))]
     return (
         torch.randn(rows, d), torch.tensor([positions + 1]), torch.empty(positions + 2),
@@ -228,13 +271,16 @@ def _examples(module: DecoderLayers, d: int) -> tuple:
     )  # fmt: skip
 
 
-def _dynamic_shapes(layers: int) -> tuple:
+def _dynamic_shapes(module: DecoderLayers) -> tuple:
     Dim = torch.export.Dim
     n, b = Dim("rows", min=1, max=1 << 16), Dim("sentences", min=1, max=1 << 16)
     t, cap, s = Dim("t", min=1, max=1 << 14), Dim("capacity", min=1, max=1 << 14), Dim("s")
     upto = Dim("upto", min=1, max=1 << 14)
-    caches = [{0: n, 2: cap}] * (2 * layers)
-    memory = [{0: b, 2: s}] * (2 * layers)
+    caches = [
+        {0: n} if isinstance(layer, _SsruLayer) else {0: n, 2: cap}
+        for layer in module.layers for _ in range(2)
+    ]  # fmt: skip
+    memory = [{0: b, 2: s}] * (2 * len(module.layers))
     return ({0: n}, None, {0: upto}, {0: n, 3: t}, caches, memory, {0: b, 3: s})
 
 
@@ -274,7 +320,7 @@ def _compile(module: DecoderLayers, d: int, path: Path) -> None:
     other than 1 (one package for greedy rows, a sentence a row, and beams)."""
     with fx_config.patch(backed_size_oblivious=True):
         exported = torch.export.export(
-            module, _examples(module, d), dynamic_shapes=_dynamic_shapes(len(module.layers))
+            module, _examples(module, d), dynamic_shapes=_dynamic_shapes(module)
         )
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as work:

@@ -373,31 +373,42 @@ def _run_compiled(
 ) -> tuple[Tensor, list] | None:
     """The decoder's layers by the compiled step (models.compiled_step): x (N, d) -> (N, d)
     and the caches grown by one position, written in place into the Rooms room_for_next
-    gives (as append_position); rows at their own positions (a pool's joins) see what
-    self_mask (N, 1, 1, t+1) lets them. None where it does not run this step (SSRU caches,
-    buffers not fp32 or not contiguous)."""
+    gives (as append_position), or an SSRU's c_t; rows at their own positions (a pool's
+    joins) see what self_mask (N, 1, 1, t+1) lets them. None where it does not run this step
+    (buffers not fp32 or not contiguous)."""
     N = x.size(0)
-    if not state.caches or not all(
-        isinstance(c, LayerCache) and c.room is not None and c.self_k.dtype == torch.float32
-        for c in state.caches
-    ):
-        return None
-    rooms = [room_for_next(c, state.rows, N) for c in state.caches]  # type: ignore[arg-type]
-    buffers = [b[:N] for r in rooms for b in (r.k, r.v)]  # (N, h, capacity, d_h) each
+    kept: list[Room | RecurrentCache] = []
+    for c in state.caches:
+        if isinstance(c, RecurrentCache) and c.c.dtype == torch.float32:
+            kept.append(RecurrentCache(_in_order(c, state.rows).contiguous()))
+        elif isinstance(c, LayerCache) and c.room is not None and c.self_k.dtype == torch.float32:
+            kept.append(room_for_next(c, state.rows, N))
+        else:
+            return None
+    rooms = [r for r in kept if isinstance(r, Room)]
+    buffers = [
+        b for r in kept
+        for b in ((r.k[:N], r.v[:N]) if isinstance(r, Room) else (r.c, torch.empty_like(r.c)))
+    ]  # fmt: skip
     if len({(r.filled, r.start, r.k.size(2)) for r in rooms}) > 1 or not all(
         b.is_contiguous() for b in buffers
     ):
         return None
-    at, start = rooms[0].filled, rooms[0].start
+    at, start = (rooms[0].filled, rooms[0].start) if rooms else (0, 0)
     mask = x.new_zeros(N, 1, 1, at + 1 - start) if self_mask is None else self_mask.contiguous()
     cross = [t.contiguous() for kv in memory.cross for t in kv]
     x = compiled(
         x, torch.tensor([at]), torch.empty(at + 1), mask, buffers, cross,
         memory.src_mask.contiguous(),
     )  # fmt: skip
-    for room in rooms:
-        room.filled += 1
-    return x, [room.cache(N) for room in rooms]
+    grown: list[LayerCache | RecurrentCache] = []
+    for i, r in enumerate(kept):
+        if isinstance(r, Room):
+            r.filled += 1
+            grown.append(r.cache(N))
+        else:
+            grown.append(RecurrentCache(buffers[2 * i + 1]))
+    return x, grown
 
 
 @dataclass

@@ -19,7 +19,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from attnmt.decoding.alignment import align
-from attnmt.decoding.terminology import Terminology
+from attnmt.decoding.terminology import Term, Terminology
 from attnmt.decoding.translator import Translator
 from attnmt.errors import AttnmtError, TooMuchWork
 from attnmt.serve.http import error_response
@@ -125,12 +125,17 @@ def _json(found: dict[str, Any]) -> Response:
 
 
 def glossary(translator: Translator, request: TranslateRequest) -> Terminology | None:
-    """A request's own glossary, matched as the server's terminology is (case, prefixes)."""
-    if request.terminology is None:
-        return None
+    """A request's own glossary, matched as the server's terminology is (case, prefixes) or
+    whatever its case where the request says terms_ignore_case; then the server's terms too
+    are in it, matched so (the server's own matches stay: a request adds, never removes)."""
     served = translator.terminology
     ignore_case, prefix = (served.ignore_case, served.prefix) if served else (False, False)
-    return Terminology.of_pairs([(s, t) for s, t in request.terminology], ignore_case, prefix)
+    if request.terms_ignore_case is not None:
+        ignore_case = request.terms_ignore_case
+    terms = [Term(s.strip(), t.strip()) for s, t in request.terminology or []]
+    if served is not None and ignore_case and not served.ignore_case:
+        terms += served.all_terms()
+    return Terminology(terms, ignore_case, prefix) if terms else None
 
 
 def openapi_operation() -> tuple[dict[str, Any], dict[str, Any]]:

@@ -89,6 +89,10 @@ class _Request(_Closed):
         "source may list forms separated by |), found in each line as serve --terminology's "
         f"terms are and joined to them (beam search); at most {MAX_TERMS} pairs.",
     )  # fmt: skip
+    terms_ignore_case: bool | None = Field(
+        None, description="true: the request's glossary and the server's terminology match "
+        "whatever their case (HANDY finds Handy); default: as serve --terms-ignore-case.",
+    )  # fmt: skip
     markup: bool = Field(
         False, description="The lines hold inline XML/HTML tags: each is put back around "
         "the aligned output words (as translate --markup).",

@@ -4,6 +4,7 @@ encoded training store, and the dev set in memory.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,7 +88,14 @@ def prepare_data(
         check_resumable(from_dict(read_yaml(out / CONFIG_FILE)), cfg)
         check_same_base(out, cfg)
     if ranks.is_main:
+        anew = not resuming and cfg.train.init_from is None and cfg.tokenizer.given is None
+        started = time.monotonic()
+        if anew:  # a minute on a large corpus: said, not silent
+            log.event("prepare", f"training the tokenizer ({cfg.tokenizer.vocab_size:,} "
+                      "SentencePiece pieces) on a sample of the training data…")  # fmt: skip
         tokenizer = make_tokenizer(cfg, out, resuming)
+        if anew:
+            log.event("prepare", f"tokenizer trained in {time.monotonic() - started:.0f} s")
         write_run_files(out, cfg, tokenizer)  # on resume: the config's resumable changes
         ensure_store(cfg, out, tokenizer, resuming, files, log)
     ranks.barrier()  # the tokenizer and the store are complete before the others read them
@@ -174,4 +182,8 @@ def ensure_store(
         build_store(out, corpora, protos, data.max_len, workers, files, prefixes)
         return b""
 
+    started = time.monotonic()
+    log.event("prepare", f"encoding the training pairs into {out / STORE_DIR} "
+              f"({workers} process{'es' if workers > 1 else ''})…")  # fmt: skip
     run_in_child(encode)
+    log.event("prepare", f"training pairs encoded in {time.monotonic() - started:.0f} s")

@@ -190,7 +190,9 @@ def log_budget(run: Run, budget_used: float, steps_per_epoch: int) -> None:
         f"{p.step} steps"
         + (
             "; warning: expect a model that cannot translate yet (the manual's smallest "
-            "results took 500 steps or more): give it more time, or a smaller model or corpus"
+            "results took 500 steps or more): give it more time (train.time_budget), or a "
+            "smaller model: configs/own_data_small.yaml, or --set model.enc_layers=2 --set "
+            "model.dec_layers=2 --set tokenizer.vocab_size=4000 --set train.batch_tokens=2048"
             if few else ""
         )
     )  # fmt: skip

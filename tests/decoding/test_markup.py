@@ -99,10 +99,19 @@ def test_markup_from_the_cli_and_over_http(trained, tmp_path, run_cli):
     translator = Translator.load(trained[0], device="cpu")
     found = [r[0].text for r in translator.search(lines, translator.options(), markup=True)]
     assert found == out
+    assert "tags" not in r.stderr  # with --markup: no warning
     for url in start_server(translator, Limits()):
         body = {"text": lines, "markup": True}
         reply = httpx.post(f"{url}/translate", json=body, timeout=60).json()
-        assert reply["translations"] == out
+        assert reply["translations"] == out and "warnings" not in reply
+        # Without markup the tags are translated as words: each such line says so.
+        reply = httpx.post(f"{url}/translate", json={"text": lines[-2:]}, timeout=60).json()
+        assert "XML/HTML tags, translated as words" in reply["warnings"][0][0]
+        assert reply["warnings"][1] == []
+    plain = run_cli("translate", "-m", str(trained[0]), "-i", str(src))
+    said = [x for x in plain.stderr.splitlines() if "XML/HTML tags" in x]
+    assert len(said) == len(lines) - 1 and said[0].startswith("attnmt: warning: input line 1:")
+    assert "a < b" not in "".join(said)
 
 
 def test_59_siblings_aligned_to_one_word_nest_instead_of_leaving_one_empty():

@@ -100,15 +100,16 @@ def test_entries_list_forms_and_match_by_case_or_as_a_compound_start(tmp_path):
 
 
 def test_the_cli_matches_terms_by_case_and_prefix(trained, tmp_path, run_cli):
-    terms = write_lines(tmp_path / "t.tsv", ["w2\tt9"])
+    # A target no model outputs by itself: three t9 in a row (one t9 a model may choose).
+    terms = write_lines(tmp_path / "t.tsv", ["w2\tt9 t9 t9"])
     src = write_lines(tmp_path / "in.txt", ["w1 W2", "w1 w2x"])
-    args = ("translate", "-m", str(trained[0]), "-i", str(src), "--beam", "3",
+    args = ("translate", "-m", str(trained[0]), "-i", str(src), "--beam", "4",
             "--terminology", str(terms))  # fmt: skip
     plain = run_cli(*args).stdout.splitlines()
-    assert all(" t9" not in f" {line} " for line in plain)
+    assert all("t9 t9 t9" not in line for line in plain)
     r = run_cli(*args, "--terms-ignore-case", "--terms-prefix")
     assert r.code == 0, r.stderr
-    assert all("t9" in line.split() for line in r.stdout.splitlines()), r.stdout
+    assert all("t9 t9 t9" in line for line in r.stdout.splitlines()), r.stdout
 
 
 def test_a_request_brings_its_own_glossary(trained):
@@ -126,3 +127,18 @@ def test_a_request_brings_its_own_glossary(trained):
         assert r.status_code == 422 and "expected [source, target]" in r.json()["error"]
         plain = httpx.post(f"{url}/translate", json={"text": ["w1 w2"], "beam": 3}, timeout=30)
         assert "terms" not in plain.json()
+
+
+def test_a_request_matches_terms_whatever_their_case(trained):
+    """terms_ignore_case: the request's glossary and the server's (case-sensitive) terms."""
+    translator = Translator.load(trained[0], "cpu")
+    translator.terminology = Terminology([Term("w3", "t8")])
+    for url in start_server(translator, Limits(), access_log=False):
+        body = {"text": ["W3 W2 w1"], "beam": 3, "terminology": [["w2", "t9"]]}
+        asked = httpx.post(f"{url}/translate", json=body, timeout=30).json()
+        assert asked.get("terms", [[]]) == [[]]  # by case: neither W3 nor W2
+        body["terms_ignore_case"] = True
+        asked = httpx.post(f"{url}/translate", json=body, timeout=30).json()
+        found = {(t["source"], t["target"]) for t in asked["terms"][0]}
+        assert found == {("w3", "t8"), ("w2", "t9")}
+        assert {"t8", "t9"} <= set(asked["translations"][0].split())

@@ -85,6 +85,21 @@ def test_int8_export_is_smaller_and_translates(tmp_path: Path, trained, run_cli)
     assert int8 < fp32
     lines = corpus["dev_src"].read_text().splitlines()[:2]
     assert all(ct2_greedy(tmp_path / "int8", lines, "spm.model", "spm.model"))
+    # What the rounding costs, against attnmt's fp32 and the dev set's references.
+    assert "cost of int8 (greedy): chrF " in result.stdout
+    assert "against the references BLEU " in result.stdout and "(fp32) -> " in result.stdout
+
+
+def test_a_quantized_export_that_shares_little_with_attnmt_is_called_broken():
+    from attnmt.interop.agreement import Agreement, quantization_cost
+
+    ours = ["a man rides a red bicycle down the street", "two dogs play in the snow"]
+    close = Agreement(1, 2, "dev", ours=ours, theirs=[ours[0], "two dogs play in snow"])
+    line, broken = quantization_cost(close, "int8", ours)
+    assert not broken and line.startswith("cost of int8 (greedy): chrF ")
+    assert "against the references BLEU 100.00 (fp32) -> " in line
+    garbage = Agreement(0, 2, "dev", ours=ours, theirs=["xq zz", "qq"])
+    assert quantization_cost(garbage, "int8", [])[1]
 
 
 def test_refusals_are_one_line(tmp_path: Path, trained, corpus, run_cli):

@@ -52,8 +52,12 @@ def _same(mine: list[list], theirs: list[list]) -> None:
 @needs_compiler
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"norm": "post", "activation": "gelu", "output_bias": True, "tie_embeddings": False}],
-    ids=["pre-norm", "post-norm, gelu"],
+    [
+        {},
+        {"norm": "post", "activation": "gelu", "output_bias": True, "tie_embeddings": False},
+        {"decoder": "ssru"},
+    ],
+    ids=["pre-norm", "post-norm, gelu", "ssru"],
 )
 def test_compiled_layers_find_the_lean_steps_hypotheses(overrides, cache, monkeypatch, capsys):
     model = for_decoding(tiny_model("transformer", **overrides).eval(), "fp32")

@@ -570,6 +570,7 @@ def test_a_budget_that_allows_too_few_steps_is_said_early(run):
     ]
     lines = (run.out / "train.log").read_text()
     assert "about 40 steps (0.40 epochs)" in lines and "cannot translate yet" in lines
+    assert "configs/own_data_small.yaml" in lines  # the warning names what to change
 
 
 def test_the_model_line_says_when_bf16_would_be_faster(tmp_path: Path, corpus, monkeypatch):
