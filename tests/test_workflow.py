@@ -154,6 +154,7 @@ def test_early_stopping_metric_picks_the_best_checkpoint(tmp_path: Path, corpus,
     """auto, the default, at a tiny model's BLEU (below 5: noise) ranks by chrF."""
     raw = tiny_config(corpus)
     raw["train"].update(max_steps=8, eval_every=2, keep_best=1, keep_last=1)
+    raw["train"].pop("early_stopping")  # the default: auto
     if metric != "auto":
         raw["train"]["early_stopping"] = metric
     out = tmp_path / "m"

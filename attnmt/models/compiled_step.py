@@ -1,6 +1,7 @@
 """The Transformer's decoder layers at a decoding step, compiled ahead of time (AOTInductor) into
 a package of generated C++ and loaded back: the lean step's maths (attnmt.models.lean_step) run
-as one call, without Python between the operations. fp32 on the CPU, one cohort of rows.
+as one call, without Python between the operations. fp32 or int8 on the CPU, one cohort of
+rows (greedy's, beam search's, a pool's), self-attention or SSRU layers.
 
 Why: a step of a few rows costs its ~200 dispatched torch operations and fbgemm's per-call
 costs more than its arithmetic (issue 79). `torch.export` traces this module with the rows,
@@ -12,7 +13,8 @@ products, residuals) as fused loops. The 8-minute T, 1 thread, AMD Zen 4, ms a s
 
 A package is made once per model, machine and thread count and kept in a cache folder
 (ATTNMT_CACHE, else ~/.cache/attnmt): compiling takes 15-30 s on 2 cores, loading one under a
-second. Where no C++ compiler is present or the compile fails, decoding keeps the lean step
+second. Its generated loops keep the thread count of the load (the products follow torch's
+threads as they change). Where no C++ compiler is present or the compile fails, decoding keeps the lean step
 and one line says why.
 
 The step writes the rows' keys and values into their cache buffers (decoding_state.Room) in

@@ -82,7 +82,7 @@ def test_empty_and_too_long_pairs_are_skipped_and_counted(tmp_path: Path, corpus
     )
     assert r.code == 0, r.stderr
     log = (tmp_path / "m" / "train_log.jsonl").read_text().splitlines()
-    data = json.loads(log[0])
+    data = next(e for e in map(json.loads, log) if e["event"] != "prepare")
     assert data["event"] == "data"
     assert data["train_skipped_empty"] == 2
     assert data["train_skipped_too_long"] == 1

@@ -30,6 +30,18 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "cache" / "steps"
 
 
+def _compiled(monkeypatch, precision: str = "fp32", **overrides) -> tuple:
+    """A tiny Transformer with its compiled step, the same without, and the list of what each
+    step's _run_compiled returned (None: it stepped aside)."""
+    model = for_decoding(tiny_model("transformer", **overrides).eval(), precision)
+    plain = copy.deepcopy(model)
+    compiled_step.attach(model, precision)
+    ran: list = []
+    run = lean_step._run_compiled
+    monkeypatch.setattr(lean_step, "_run_compiled", lambda *a: ran.append(r := run(*a)) or r)
+    return model, plain, ran
+
+
 def _searches(model: torch.nn.Module) -> list[list]:
     batch = random_batch(seed=3, B=5)
     found = []
@@ -60,14 +72,9 @@ def _same(mine: list[list], theirs: list[list]) -> None:
     ids=["pre-norm", "post-norm, gelu", "ssru"],
 )
 def test_compiled_layers_find_the_lean_steps_hypotheses(overrides, cache, monkeypatch, capsys):
-    model = for_decoding(tiny_model("transformer", **overrides).eval(), "fp32")
-    plain = copy.deepcopy(model)
-    compiled_step.attach(model, "fp32")
+    model, plain, ran = _compiled(monkeypatch, **overrides)
     assert model.lean_step.compiled is not None
     assert "compiled step: compiled in" in capsys.readouterr().err
-    ran = []
-    run = lean_step._run_compiled
-    monkeypatch.setattr(lean_step, "_run_compiled", lambda *a: ran.append(r := run(*a)) or r)
     _same(_searches(model), _searches(plain))
     assert ran and all(r is not None for r in ran)  # every step, greedy's and the beams'
     # A second model from the same weights loads the package from the cache, not compiling.
@@ -84,12 +91,7 @@ def test_int8_layers_compiled_step_as_int8_does(cache, monkeypatch):
     a call's input asymmetrically; a step's logits agree with the lean step's to int8's
     rounding, along the same tokens (the fp32 model's greedy ones)."""
     fp32 = for_decoding(tiny_model("transformer").eval(), "fp32")
-    model = for_decoding(tiny_model("transformer").eval(), "int8")
-    plain = copy.deepcopy(model)
-    compiled_step.attach(model, "int8")
-    ran = []
-    run = lean_step._run_compiled
-    monkeypatch.setattr(lean_step, "_run_compiled", lambda *a: ran.append(r := run(*a)) or r)
+    model, plain, ran = _compiled(monkeypatch, "int8")
     batch = random_batch(seed=5, B=4)
     tokens = [torch.full((4,), 2)]  # BOS, then the fp32 model's greedy tokens
     found = []
@@ -113,12 +115,7 @@ def test_int8_layers_compiled_step_as_int8_does(cache, monkeypatch):
 @needs_compiler
 def test_rows_that_join_a_running_pool_step_as_with_the_lean_step(cache, monkeypatch):
     """A server's greedy pool: rows leave, newcomers join at their own positions (masked)."""
-    model = for_decoding(tiny_model("transformer").eval(), "fp32")
-    plain = copy.deepcopy(model)
-    compiled_step.attach(model, "fp32")
-    ran = []
-    run = lean_step._run_compiled
-    monkeypatch.setattr(lean_step, "_run_compiled", lambda *a: ran.append(r := run(*a)) or r)
+    model, plain, ran = _compiled(monkeypatch)
     a, b = random_batch(seed=1, B=4), random_batch(seed=2, B=2)
     found = []
     with torch.no_grad():

@@ -384,7 +384,8 @@ def test_setup_builds_a_fresh_run(run):
     assert run.step_model is run.model and run.model.training
     assert len(run.train_data.src) == 300 and len(run.dev_sets[0].encoded.src) == 20
     assert (run.out / "config.yaml").is_file() and (run.out / "spm.model").is_file()
-    assert [e["event"] for e in events(run.out)] == ["data", "model"]
+    # The tokenizer and the encoding said as they happen, then the data and the model.
+    assert [e["event"] for e in events(run.out)] == ["prepare"] * 4 + ["data", "model"]
 
 
 def test_train_step_updates_and_reports(run):
