@@ -14,8 +14,8 @@ products, residuals) as fused loops. The 8-minute T, 1 thread, AMD Zen 4, ms a s
 A package is made once per model, machine and thread count and kept in a cache folder
 (ATTNMT_CACHE, else ~/.cache/attnmt): compiling takes 15-30 s on 2 cores, loading one under a
 second. Its generated loops keep the thread count of the load (the products follow torch's
-threads as they change). Where no C++ compiler is present or the compile fails, decoding keeps the lean step
-and one line says why.
+threads as they change). Where no C++ compiler is present or the compile fails, decoding
+keeps the lean step and one line says why.
 
 The step writes the rows' keys and values into their cache buffers (decoding_state.Room) in
 place, at position `at`, and attends over the last L positions up to it (L: the length of
