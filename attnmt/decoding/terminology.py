@@ -78,13 +78,6 @@ class Terminology:
             raise DataError(f"{path}: no terms (a line is: source term<TAB>target term)")
         return cls(list({id(t): t for _, t in terms.values()}.values()), ignore_case, prefix)
 
-    @classmethod
-    def of_pairs(
-        cls, pairs: list[tuple[str, str]], ignore_case: bool = False, prefix: bool = False
-    ) -> Terminology:
-        """Terms given as (source, target) pairs (a request's own glossary)."""
-        return cls([Term(s.strip(), t.strip()) for s, t in pairs], ignore_case, prefix)
-
     def find(self, line: str) -> list[Term]:
         """The terms `line` contains, in their order there, each once."""
         if self.pattern is None:
