@@ -194,3 +194,10 @@ def test_the_page_translates_lines_with_markup_and_a_glossary_and_copies(
     text = browser.find_element(By.ID, "translation").text
     assert text.count("<b>") == 1 and text.count("</b>") == 1 and "t9" in text.split(), text
     assert browser.find_element(By.ID, "terms").text == "Terms applied: w2 → t9"
+    # A terminology file's line (source TAB target), as translate --terminology reads it.
+    gloss = browser.find_element(By.ID, "glossary")
+    gloss.clear()
+    browser.execute_script("arguments[0].value = 'w1\\tt8'", gloss)
+    box.clear()
+    box.send_keys("w1 w2", Keys.CONTROL, Keys.ENTER)
+    wait.until(lambda d: d.find_element(By.ID, "terms").text == "Terms applied: w1 → t8")
