@@ -380,20 +380,22 @@ def compiled_layers(
 def attach(model: nn.Module, precision: str, device: str = "cpu") -> None:
     """Give each Transformer's lean step (each member of an ensemble) its compiled layers,
     where they can be compiled; else one line on stderr says why (the lean step runs)."""
-    transformers = [m for m in model.modules() if isinstance(m, TransformerSeq2Seq)]
-    steps = [m.lean_step for m in transformers if isinstance(m.lean_step, LeanStep)]
-    why = None if steps else "it compiles a Transformer's decoder"
+    stepping = [
+        m for m in model.modules()
+        if isinstance(m, TransformerSeq2Seq) and isinstance(m.lean_step, LeanStep)
+    ]  # fmt: skip
+    why = None if stepping else "it compiles a Transformer's decoder"
     if precision not in ("fp32", "int8") or device != "cpu":
         why = f"fp32 and int8 on the CPU only for now, not {precision} on {device}"
     if why is not None:
         _say(f"compiled step: not used ({why}); decoding steps as before")
         return
-    for transformer in transformers:
+    for transformer in stepping:
         lean = transformer.lean_step
-        if isinstance(lean, LeanStep):
-            activation = transformer.decoder_layers[0].ff.activation
-            d = transformer.tgt_embed.embed.weight.size(1)  # d_model
-            lean.compiled = compiled_layers(lean.layers, lean.pre_norm, activation, d)
+        assert isinstance(lean, LeanStep)
+        activation = transformer.decoder_layers[0].ff.activation
+        d = transformer.tgt_embed.embed.weight.size(1)  # d_model
+        lean.compiled = compiled_layers(lean.layers, lean.pre_norm, activation, d)
 
 
 def _say(line: str) -> None:

@@ -233,11 +233,12 @@ class LeanStep:
         N, _, d = x.shape
         x = x.view(N, d)  # (N, d)
         masks = [model._joined_mask(s) for s in states]  # (n, 1, 1, t+1) or None each
-        if self.compiled is not None and len(states) == 1 and _graph_applies(x, states):
+        applies = _graph_applies(x, states)  # the compiled step's and the graph's terms
+        if self.compiled is not None and len(states) == 1 and applies:
             ran = _run_compiled(self.compiled, x, memories[0], states[0], masks[0])
             if ran is not None:
                 return self._logits(ran[0], [ran[1]], states)
-        graph = self.graph() if _graph_applies(x, states) else None
+        graph = self.graph() if applies else None
         if graph is not None:
             x, caches = _run_graph(graph, x, memories, states, sizes, masks)
             return self._logits(x, caches, states)

@@ -59,8 +59,8 @@ def train(
         if cfg.train.init_from.resolve() == out.resolve():
             raise ConfigError(f"train.init_from is the model directory --out {out} itself")
         cfg = inherit(cfg)
-        resolve_weights(cfg.train.init_from, cfg.train.init_weights)  # refused before the
-        # directory is made
+        # Missing weights are refused before the directory is made.
+        resolve_weights(cfg.train.init_from, cfg.train.init_weights)
     ranks = distributed.ranks_from_env()
     # A new run that fails to start leaves nothing behind (the corrected command starts clean);
     # a directory it did not make is not touched until it holds the lock and was cleared.

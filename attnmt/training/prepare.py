@@ -5,6 +5,8 @@ encoded training store, and the dev set in memory.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,13 +91,12 @@ def prepare_data(
         check_same_base(out, cfg)
     if ranks.is_main:
         anew = not resuming and cfg.train.init_from is None and cfg.tokenizer.given is None
-        started = time.monotonic()
-        if anew:  # a minute on a large corpus: said, not silent
-            log.event("prepare", f"training the tokenizer ({cfg.tokenizer.vocab_size:,} "
-                      "SentencePiece pieces) on a sample of the training data…")  # fmt: skip
-        tokenizer = make_tokenizer(cfg, out, resuming)
-        if anew:
-            log.event("prepare", f"tokenizer trained in {time.monotonic() - started:.0f} s")
+        doing = (
+            f"training the tokenizer ({cfg.tokenizer.vocab_size:,} SentencePiece pieces) on a "
+            "sample of the training data"
+        )
+        with said(log if anew else None, doing, "tokenizer trained"):
+            tokenizer = make_tokenizer(cfg, out, resuming)
         write_run_files(out, cfg, tokenizer)  # on resume: the config's resumable changes
         ensure_store(cfg, out, tokenizer, resuming, files, log)
     ranks.barrier()  # the tokenizer and the store are complete before the others read them
@@ -182,8 +183,19 @@ def ensure_store(
         build_store(out, corpora, protos, data.max_len, workers, files, prefixes)
         return b""
 
+    processes = f"{workers} process{'es' if workers > 1 else ''}"
+    doing = f"encoding the training pairs into {out / STORE_DIR} ({processes})"
+    with said(log, doing, "training pairs encoded"):
+        run_in_child(encode)
+
+
+@contextmanager
+def said(log: RunLog | None, doing: str, done: str) -> Iterator[None]:
+    """A `prepare` event before a step of preparation and one with its seconds after (a
+    minute on a large corpus: said, not silent); nothing with log None."""
     started = time.monotonic()
-    log.event("prepare", f"encoding the training pairs into {out / STORE_DIR} "
-              f"({workers} process{'es' if workers > 1 else ''})…")  # fmt: skip
-    run_in_child(encode)
-    log.event("prepare", f"training pairs encoded in {time.monotonic() - started:.0f} s")
+    if log is not None:
+        log.event("prepare", f"{doing}…")
+    yield
+    if log is not None:
+        log.event("prepare", f"{done} in {time.monotonic() - started:.0f} s")
