@@ -145,19 +145,25 @@ def wait_up(url: str, proc: subprocess.Popen) -> None:
 
 
 def cli_rate(
-    model: Path, sentences: list[str], beam: int, threads: int, chunks: list[int], precision: str
+    model: Path,
+    sentences: list[str],
+    beam: int,
+    threads: int,
+    chunks: list[int],
+    precision: str,
+    compile: bool = False,
 ) -> tuple[float, dict[int, tuple[float, float]]]:
     """Sentences/s of the batch path (Translator.translate over all sentences: batches of up
     to decode.batch_tokens, sorted by length), load excluded; and for each n of `chunks`, (the
     same in chunks of n lines in their order: what n one-line clients can offer at most, n
     lines in flight arriving in no order; the server's search alone, without HTTP, n lines
-    kept in flight: search_alone)."""
+    kept in flight: search_alone); compiled (models.compiled_step) with `compile`."""
     import torch
 
     from attnmt import Translator
 
     torch.set_num_threads(threads)
-    translator = Translator.load(model, device="cpu", precision=precision or None)
+    translator = Translator.load(model, device="cpu", precision=precision or None, compile=compile)
     translator.translate(sentences[:64], beam=beam)  # warm up
     start = time.perf_counter()
     translator.translate(sentences, beam=beam)
@@ -214,11 +220,13 @@ def bench_serve(args: argparse.Namespace) -> None:
     if getattr(args, "eole", None) is not None:
         return bench_eole(args, sentences)
     chunks = [c for c in args.clients if c > 1]
-    cli = cli_rate(args.model, sentences, args.beam, args.threads, chunks, args.precision)
+    cli = cli_rate(
+        args.model, sentences, args.beam, args.threads, chunks, args.precision, args.compile
+    )
     # With --tm or --compile: the server without, then with it (serve --tm, serve --compile),
     # in the same run.
-    extras: list[tuple[str, ...]] = [()]
-    extras += [("--tm", str(args.tm))] if args.tm is not None else []
+    extras: list[tuple[str, ...]] = [("--no-compile",)]
+    extras += [("--no-compile", "--tm", str(args.tm))] if args.tm is not None else []
     extras += [("--compile",)] if args.compile else []
     for extra in extras:
         port = free_port()

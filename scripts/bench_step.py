@@ -44,7 +44,9 @@ def bench_step(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         export_ctranslate2(args.model, Path(tmp) / "ct2")
         for precision in args.precision:
-            ours = Translator.load(args.model, "cpu", precision=precision, threads=args.threads)
+            ours = Translator.load(
+                args.model, "cpu", precision=precision, threads=args.threads, compile=False
+            )
             theirs = ctranslate2.Translator(
                 str(Path(tmp) / "ct2"), device="cpu", compute_type=CT2_TYPES[precision],
                 intra_threads=args.threads, inter_threads=1,

@@ -3,6 +3,7 @@ a headless Chromium for the pages' tests."""
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import signal
@@ -16,6 +17,11 @@ import yaml
 
 from attnmt.cli.main import main
 from attnmt.data.search_workers import release as release_search_workers
+
+# Decoding compiles its step by default (models.compiled_step), 5-30 s a model: the suite's
+# hundreds of tiny models decode as before, but where a test asks for it (its own processes
+# inherit this too).
+os.environ["ATTNMT_COMPILE"] = "0"
 
 # A toy "language pair": each source word maps to one target word, order reversed.
 LEXICON = {f"w{i}": f"t{i}" for i in range(12)}

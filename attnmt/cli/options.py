@@ -55,11 +55,13 @@ TargetLangOption = Annotated[
     ),
 ]
 CompileOption = Annotated[
-    bool,
+    bool | None,
     typer.Option(
         "--compile/--no-compile",
         help="Decode with the Transformer's step compiled ahead of time (fp32 or int8, CPU): "
-        "compiled once per model and machine (15-30 s), then loaded from its cache folder.",
+        "compiled once per model and machine (15-30 s), then loaded from its cache folder. "
+        "Default: on where it applies and a C++ compiler is found, unless ATTNMT_COMPILE=0.",
+        show_default=False,
     ),
 ]
 WorkersOption = Annotated[
@@ -153,7 +155,7 @@ class ModelLoad:
     workers: int | None = None
     threads: int | None = None
     allow_unk: bool | None = None
-    compile: bool = False
+    compile: bool | None = None
 
     def translator(
         self,
@@ -188,7 +190,7 @@ _SHARED = {
     "matmul": (MatmulOption, None),
     "threads": (ThreadsOption, None),
     "allow_unk": (UnkOption, None),
-    "compile": (CompileOption, False),
+    "compile": (CompileOption, None),
 }
 
 

@@ -15,7 +15,7 @@ from attnmt.models.seq2seq import Seq2Seq
 from attnmt.models.transformer import TransformerSeq2Seq
 
 
-def for_decoding(model: Seq2Seq, precision: str, compile: bool = False) -> Seq2Seq:
+def for_decoding(model: Seq2Seq, precision: str, compile: bool | None = False) -> Seq2Seq:
     """The model, in place, with its weights and buffers in `precision` for translation: the
     16-bit formats halve the weights' memory traffic and run on the hardware's 16-bit matmuls
     (GPU tensor cores, AMX); int8 (CPU) swaps the matmuls for 8-bit ones (kernels.int8); all
@@ -24,8 +24,9 @@ def for_decoding(model: Seq2Seq, precision: str, compile: bool = False) -> Seq2S
     (column_major_weights) and, where oneDNN runs the larger products, also in its layout
     (onednn_packed_weights), and a Transformer on the CPU steps with fewer operations
     (models.lean_step): the same outputs up to float rounding; with `compile`, its decoder's
-    layers compiled ahead of time where they can be (models.compiled_step). Move the model to
-    its device first."""
+    layers compiled ahead of time where they can be (models.compiled_step; None: where it
+    applies unless ATTNMT_COMPILE=0, without a word where it does not). Move the model to its
+    device first."""
     if precision == "int8":
         model = cast(Seq2Seq, quantize_int8(model.float()))
         pack_for_many_rows(model.source_side())
@@ -42,6 +43,6 @@ def for_decoding(model: Seq2Seq, precision: str, compile: bool = False) -> Seq2S
     device = next(model.parameters(), torch.empty(0)).device.type
     if device == "cpu":
         lean_step.attach(model)  # (on a GPU not measured)
-    if compile:
-        compiled_step.attach(model, precision, device)
+    if compile or (compile is None and compiled_step.by_default()):
+        compiled_step.attach(model, precision, device, asked=bool(compile))
     return model

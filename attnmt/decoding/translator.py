@@ -96,7 +96,7 @@ class Translator:
         threads: int | None = None,
         terms_ignore_case: bool = False,
         terms_prefix: bool = False,
-        compile: bool = False,
+        compile: bool | None = None,
     ) -> Translator:
         """Load a model directory, or several as an ensemble (the mean of their log-
         probabilities at each step; they must share their SentencePiece models; the first
@@ -110,8 +110,9 @@ class Translator:
         output only each batch's lexical shortlist (the first model directory's, from
         `attnmt shortlist`; default decode.shortlist);
         threads: CPU threads (default: as many as other processes leave free, chosen again
-        at most every second); compile: decode with models.compiled_step. Notes go to
-        stderr."""
+        at most every second); compile: decode with the decoder's step compiled ahead of
+        time (models.compiled_step), compiled once per model and machine; None: where it
+        applies, unless the environment says ATTNMT_COMPILE=0. Notes go to stderr."""
         start = CpuShare.now()
         dirs = (
             [Path(model_dir)] if isinstance(model_dir, str | Path) else list(map(Path, model_dir))
@@ -148,7 +149,7 @@ class Translator:
         if dev.type == "cpu":  # a search's MiB-sized blocks reused, not faulted in anew
             keep_freed_memory()
         members = tuple(c for c, _, _ in loaded)
-        net = for_decoding(net, precision, compile)
+        net = for_decoding(net, precision, compile)  # None: compiled_step.by_default()
         terms = None
         if terminology is not None:
             terms = Terminology.load(Path(terminology), terms_ignore_case, terms_prefix)

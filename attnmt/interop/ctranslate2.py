@@ -150,7 +150,7 @@ def check_agreement(
     multilingual model is checked into each of its target languages (its tag before the
     source, as generation.json says)."""
     ct2 = _import_ctranslate2()
-    ours = Translator.load(model_dir, "cpu", weights, "fp32", workers=1)
+    ours = Translator.load(model_dir, "cpu", weights, "fp32", workers=1, compile=False)
     langs: list[str | None] = list(ours.target_langs) if ours.cfg.data.multilingual else [None]
     options = search_options(ours.cfg.decode)
     theirs = ct2.Translator(str(out), device="cpu", inter_threads=1)

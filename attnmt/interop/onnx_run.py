@@ -168,7 +168,9 @@ def check_agreement(
     into each of its target languages; with its shortlist if it has one)."""
     theirs = OnnxModel(out)
     short = theirs.shortlist is not None
-    ours = Translator.load(model_dir, "cpu", weights, "fp32", workers=1, shortlist=short)
+    ours = Translator.load(
+        model_dir, "cpu", weights, "fp32", workers=1, shortlist=short, compile=False
+    )
     langs: list[str | None] = list(ours.target_langs) if ours.cfg.data.multilingual else [None]
     info = theirs.info
     K = info["beam_size"]

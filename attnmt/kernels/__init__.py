@@ -16,7 +16,7 @@ gain").
                                  head by head (training on CPU with attention dropout)
     step_attention               a decoding step's attention: one query a row over few keys
                                  by element-wise sums on CPU, else batched products (the
-                                 lean step and its TorchScript graph)
+                                 lean step)
     gru_attention_recurrence     the rnn decoder's recurrence (BPTT by hand), teacher-forced
                                  or choosing scheduled sampling's inputs as it runs
     bigru_recurrence             the rnn encoder's one-layer bidirectional GRU

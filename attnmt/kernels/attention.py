@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Optional  # TorchScript reads typing's names (step_attention)
 
 import torch
 import torch.nn.functional as F
@@ -171,11 +170,11 @@ def step_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: Optional[torch.Tensor],  # noqa: UP045
-    products_from_keys: int = PRODUCTS_FROM_KEYS,  # an argument: TorchScript reads no globals
+    mask: torch.Tensor | None,
+    products_from_keys: int = PRODUCTS_FROM_KEYS,
 ) -> torch.Tensor:
     """A decoding step's attention, softmax(q kᵀ / √d + mask) v, in the dtype k and v are kept
-    in (a decoder's cache_dtype); TorchScript compiles it too (models.scripted_step).
+    in (a decoder's cache_dtype).
 
     q (B, h, G, d_h): G queries a row (beam search's cross-attention: a sentence's beams);
     k, v (B, h, T, d_h); mask additive, (B|1, 1, 1, T), or None. On a CPU in fp32, one query a

@@ -348,13 +348,16 @@ class CompiledLayers:
 
 
 def compiled_layers(
-    layers: list[LeanLayer | None], pre_norm: bool, activation: str, d: int
+    layers: list[LeanLayer | None], pre_norm: bool, activation: str, d: int, asked: bool = True
 ) -> CompiledLayers | None:
     """The layers' step compiled (from the cache where it is there), or None with one line on
-    stderr saying why decoding keeps the lean step."""
-    why = covers(layers) or _compiler_missing()
+    stderr saying why decoding keeps the lean step (not `asked`: only where a compiler is
+    missing or fails)."""
+    uncovered = covers(layers)
+    why = uncovered or _compiler_missing()
     if why is not None:
-        _say(f"compiled step: not used ({why}); decoding steps as before")
+        if asked or uncovered is None:
+            _say(f"compiled step: not used ({why}); decoding steps as before")
         return None
     module = DecoderLayers([lean for lean in layers if lean is not None], pre_norm, activation)
     path = cache_folder() / f"{fingerprint(module)}.pt2"
@@ -377,9 +380,17 @@ def compiled_layers(
     return CompiledLayers(run, path)
 
 
-def attach(model: nn.Module, precision: str, device: str = "cpu") -> None:
+def by_default() -> bool:
+    """Whether decoding compiles its step where not told: yes, unless ATTNMT_COMPILE=0 (a test
+    suite's or a short job's choice: the first compile of a model takes 15-30 s)."""
+    return os.environ.get("ATTNMT_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def attach(model: nn.Module, precision: str, device: str = "cpu", asked: bool = True) -> None:
     """Give each Transformer's lean step (each member of an ensemble) its compiled layers,
-    where they can be compiled; else one line on stderr says why (the lean step runs)."""
+    where they can be compiled; else one line on stderr says why (the lean step runs). Not
+    `asked` (the default choice): no word where the model is not of the kind it compiles
+    (a GRU, rotary positions, bf16, a GPU), only where a compiler is missing or fails."""
     stepping = [
         m for m in model.modules()
         if isinstance(m, TransformerSeq2Seq) and isinstance(m.lean_step, LeanStep)
@@ -388,14 +399,15 @@ def attach(model: nn.Module, precision: str, device: str = "cpu") -> None:
     if precision not in ("fp32", "int8") or device != "cpu":
         why = f"fp32 and int8 on the CPU only for now, not {precision} on {device}"
     if why is not None:
-        _say(f"compiled step: not used ({why}); decoding steps as before")
+        if asked:
+            _say(f"compiled step: not used ({why}); decoding steps as before")
         return
     for transformer in stepping:
         lean = transformer.lean_step
         assert isinstance(lean, LeanStep)
         activation = transformer.decoder_layers[0].ff.activation
         d = transformer.tgt_embed.embed.weight.size(1)  # d_model
-        lean.compiled = compiled_layers(lean.layers, lean.pre_norm, activation, d)
+        lean.compiled = compiled_layers(lean.layers, lean.pre_norm, activation, d, asked)
 
 
 def _say(line: str) -> None:

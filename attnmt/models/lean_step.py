@@ -27,7 +27,6 @@ from torch import nn
 from attnmt.kernels import matmul
 from attnmt.kernels.attention import step_attention
 from attnmt.kernels.int8 import Int8Linear
-from attnmt.models import scripted_step
 from attnmt.models.decoding_state import (
     LayerCache,
     RecurrentCache,
@@ -186,28 +185,9 @@ class LeanStep:
         self.model = model
         self.pre_norm = model.pre_norm
         self.layers = [LeanLayer.of(layer) for layer in model.decoder_layers]
-        self.scripted = True  # the layers as a TorchScript graph where they can be one
-        self._graph: torch.jit.ScriptModule | bool | None = False  # False: not made yet
-        # The layers compiled ahead of time (compiled_step.attach), run for one cohort
-        # where _run_compiled can; None: not asked for, or not possible here.
+        # The layers compiled ahead of time (compiled_step.attach), run where
+        # _run_compiled can; None: not asked for, or not possible here.
         self.compiled: Callable[..., Tensor] | None = None
-
-    def __getstate__(self) -> dict:
-        """A copy (copy.deepcopy) makes its own graph at its first use."""
-        return {**self.__dict__, "_graph": False}
-
-    def graph(self) -> torch.jit.ScriptModule | None:
-        """The layers as a graph (scripted_step), made at the first call; None where
-        scripting is turned off or the layers are not of the form it covers."""
-        if not self.scripted:
-            return None
-        if self._graph is False:
-            specs = [s for lean in self.layers if (s := _graph_spec(lean)) is not None]
-            activation = self.model.decoder_layers[0].ff.activation
-            self._graph = None
-            if specs and len(specs) == len(self.layers):
-                self._graph = scripted_step.script(specs, self.pre_norm, activation)
-        return self._graph or None
 
     def __call__(
         self, memory: TransformerMemory, state: TransformerState, prev_tokens: Tensor
@@ -233,15 +213,10 @@ class LeanStep:
         N, _, d = x.shape
         x = x.view(N, d)  # (N, d)
         masks = [model._joined_mask(s) for s in states]  # (n, 1, 1, t+1) or None each
-        applies = _graph_applies(x, states)  # the compiled step's and the graph's terms
-        if self.compiled is not None and len(states) == 1 and applies:
-            ran = _run_compiled(self.compiled, x, memories[0], states[0], masks[0])
+        if self.compiled is not None and _compiled_applies(x, states):
+            ran = _run_compiled(self.compiled, x, memories, states, sizes, masks)
             if ran is not None:
-                return self._logits(ran[0], [ran[1]], states)
-        graph = self.graph() if applies else None
-        if graph is not None:
-            x, caches = _run_graph(graph, x, memories, states, sizes, masks)
-            return self._logits(x, caches, states)
+                return self._logits(*ran, states)
         ends = list(itertools.accumulate(sizes))
         rows = (
             [None]
@@ -308,26 +283,8 @@ class LeanStep:
         return self._sublayer_out(lean.norms[2], lean.ff_out(f, residual=x))
 
 
-def _graph_spec(lean: LeanLayer | None) -> scripted_step.LayerSpec | None:
-    """The layer as the graph takes it: self-attention with q, k, v stacked, or an SSRU, and
-    every product int8 (fp32's products are most of its step: the graph gains nothing
-    measurable there, docs/benchmarks.md); else None."""
-    if lean is None:
-        return None
-    mix = [lean.ssru] if lean.ssru is not None else [lean.qkv, lean.out]
-    products = [*mix, lean.cross_q, lean.cross_out, lean.ff_in, lean.ff_out]
-    int8 = [
-        p.module
-        for p in products
-        if p is not None and p.weight_t is None and isinstance(p.module, Int8Linear)
-    ]
-    if len(int8) < len(products) or any(n.weight is None or n.bias is None for n in lean.norms):
-        return None
-    return scripted_step.LayerSpec(lean.norms, int8, lean.heads, lean.ssru is not None)
-
-
-def _graph_applies(x: Tensor, states: list[TransformerState]) -> bool:
-    """Whether the graph may run this step: on the CPU, without a gradient, every
+def _compiled_applies(x: Tensor, states: list[TransformerState]) -> bool:
+    """Whether the compiled step may run this step: on the CPU, without a gradient, every
     self-attention cache a decoding one (with a Room)."""
     if x.device.type != "cpu" or torch.is_grad_enabled():
         return False
@@ -338,122 +295,92 @@ def _graph_applies(x: Tensor, states: list[TransformerState]) -> bool:
     )
 
 
-def _run_graph(
-    graph: torch.jit.ScriptModule,
+def _run_compiled(
+    compiled: Callable[..., Tensor],
     x: Tensor,
     memories: list[TransformerMemory],
     states: list[TransformerState],
     sizes: list[int],
     masks: list[Tensor | None],
-) -> tuple[Tensor, list[list]]:
-    """The decoder's layers by the graph: x (N, d) -> (N, d), and each cohort's caches grown
-    by one position (room_for_next gives each the buffers that take it, as append_position),
-    or an SSRU's c_t."""
-    bounds = [0, *itertools.accumulate(sizes)]  # cohort c: rows bounds[c]:bounds[c+1]
-    layers = [_GraphLayer.of([s.caches[i] for s in states], states, sizes)
-              for i in range(len(states[0].caches))]  # fmt: skip
-    with torch.jit.optimized_execution(False):
-        x = graph(
-            x, bounds, [layer.caches for layer in layers], masks,
-            [[t for m in memories for t in m.cross[i]] for i in range(len(layers))],
-            [m.src_mask for m in memories],
-        )  # fmt: skip
-    caches: list[list] = [[] for _ in states]
-    for layer in layers:
-        for kept, cache in zip(caches, layer.grown(bounds), strict=True):
-            kept.append(cache)
-    return x, caches
-
-
-def _run_compiled(
-    compiled: Callable[..., Tensor],
-    x: Tensor,
-    memory: TransformerMemory,
-    state: TransformerState,
-    self_mask: Tensor | None,
-) -> tuple[Tensor, list] | None:
-    """The decoder's layers by the compiled step (models.compiled_step): x (N, d) -> (N, d)
-    and the caches grown by one position, written in place into the Rooms room_for_next
-    gives (as append_position), or an SSRU's c_t; rows at their own positions (a pool's
-    joins) see what self_mask (N, 1, 1, t+1) lets them. None where it does not run this step
-    (buffers not fp32 or not contiguous)."""
-    N = x.size(0)
-    kept: list[Room | RecurrentCache] = []
-    for c in state.caches:
-        if isinstance(c, RecurrentCache) and c.c.dtype == torch.float32:
-            kept.append(RecurrentCache(_in_order(c, state.rows).contiguous()))
-        elif isinstance(c, LayerCache) and c.room is not None and c.self_k.dtype == torch.float32:
-            kept.append(room_for_next(c, state.rows, N))
-        else:
-            return None
-    rooms = [r for r in kept if isinstance(r, Room)]
-    buffers = [
-        b for r in kept
-        for b in ((r.k[:N], r.v[:N]) if isinstance(r, Room) else (r.c, torch.empty_like(r.c)))
+) -> tuple[Tensor, list[list]] | None:
+    """The decoder's layers by the compiled step (models.compiled_step), one call a cohort
+    (cohort i: sizes[i] consecutive rows of x (N, d)) -> (N, d), and each cohort's caches
+    grown by one position. None where it cannot run every cohort (buffers not fp32 or not
+    contiguous): then nothing has been written."""
+    ends = list(itertools.accumulate(sizes))
+    calls = [
+        _CompiledCall.of(x[e - n : e], m, s, mask)
+        for n, e, m, s, mask in zip(sizes, ends, memories, states, masks, strict=True)
     ]  # fmt: skip
-    if len({(r.filled, r.start, r.k.size(2)) for r in rooms}) > 1 or not all(
-        b.is_contiguous() for b in buffers
-    ):
+    if any(call is None for call in calls):
         return None
-    at, start = (rooms[0].filled, rooms[0].start) if rooms else (0, 0)
-    mask = x.new_zeros(N, 1, 1, at + 1 - start) if self_mask is None else self_mask.contiguous()
-    cross = [t.contiguous() for kv in memory.cross for t in kv]
-    x = compiled(
-        x, torch.tensor([at]), torch.empty(at + 1), mask, buffers, cross,
-        memory.src_mask.contiguous(),
-    )  # fmt: skip
-    grown: list[LayerCache | RecurrentCache] = []
-    for i, r in enumerate(kept):
-        if isinstance(r, Room):
-            r.filled += 1
-            grown.append(r.cache(N))
-        else:
-            grown.append(RecurrentCache(buffers[2 * i + 1]))
-    return x, grown
+    outs, caches = [], []
+    for call in calls:
+        assert call is not None
+        outs.append(compiled(*call.inputs))
+        caches.append(call.grown())
+    return _stacked(outs), caches
 
 
 @dataclass
-class _GraphLayer:
-    """One layer's caches as the graph reads and writes them (scripted_step.LayerCaches), and
-    the Rooms they are of (None: an SSRU's)."""
+class _CompiledCall:
+    """One cohort's call of the compiled step: its inputs, and the Rooms (or an SSRU's
+    buffers) it writes its rows' position into."""
 
-    rooms: list[Room] | None
-    caches: scripted_step.LayerCaches
+    inputs: tuple
+    kept: list[Room | RecurrentCache]
+    buffers: list[Tensor]
 
     @classmethod
     def of(
-        cls,
-        cohorts: list[LayerCache | RecurrentCache],
-        states: list[TransformerState],
-        sizes: list[int],
-    ) -> _GraphLayer:
-        """The layer's caches (one a cohort) as the graph takes them."""
-        rows = [s.rows for s in states]
-        recurrent = [c for c in cohorts if isinstance(c, RecurrentCache)]
-        if recurrent:
-            previous = _stacked([_in_order(c, r) for c, r in zip(recurrent, rows, strict=True)])
-            return cls(
-                None, scripted_step.LayerCaches([previous, torch.empty_like(previous)], [], [])
-            )
-        cached = [c for c in cohorts if isinstance(c, LayerCache)]
-        rooms = [room_for_next(c, r, n) for c, r, n in zip(cached, rows, sizes, strict=True)]
-        buffers = [b for r in rooms for b in (r.k, r.v)]
-        read = scripted_step.LayerCaches(
-            buffers, [r.filled for r in rooms], [r.start for r in rooms]
-        )
-        return cls(rooms, read)
+        cls, x: Tensor, memory: TransformerMemory, state: TransformerState, mask: Tensor | None
+    ) -> _CompiledCall | None:
+        """The call for rows x (n, d) at their state (the caches as room_for_next gives them:
+        with position `filled` free, in the order of state.rows, nothing written yet); rows
+        at their own positions (a pool's joins) see what mask (n, 1, 1, t+1) lets them. None
+        where the compiled step cannot take them."""
+        N = x.size(0)
+        kept: list[Room | RecurrentCache] = []
+        for c in state.caches:
+            if isinstance(c, RecurrentCache) and c.c.dtype == torch.float32:
+                kept.append(RecurrentCache(_in_order(c, state.rows).contiguous()))
+            elif (
+                isinstance(c, LayerCache) and c.room is not None
+                and c.self_k.dtype == torch.float32
+            ):  # fmt: skip
+                kept.append(room_for_next(c, state.rows, N))
+            else:
+                return None
+        rooms = [r for r in kept if isinstance(r, Room)]
+        buffers = [
+            b for r in kept
+            for b in ((r.k[:N], r.v[:N]) if isinstance(r, Room) else (r.c, torch.empty_like(r.c)))
+        ]  # fmt: skip
+        if len({(r.filled, r.start, r.k.size(2)) for r in rooms}) > 1 or not all(
+            b.is_contiguous() for b in buffers
+        ):
+            return None
+        at, start = (rooms[0].filled, rooms[0].start) if rooms else (0, 0)
+        if mask is None:
+            mask = x.new_zeros(N, 1, 1, at + 1 - start)
+        cross = [t.contiguous() for kv in memory.cross for t in kv]
+        inputs = (
+            x, torch.tensor([at]), torch.empty(at + 1), mask.contiguous(), buffers, cross,
+            memory.src_mask.contiguous(),
+        )  # fmt: skip
+        return cls(inputs, kept, buffers)
 
-    def grown(self, bounds: list[int]) -> list[LayerCache | RecurrentCache]:
-        """Each cohort's cache after the step."""
-        if self.rooms is None:  # c_t of all rows, a cohort's rows after another's
-            c = self.caches.buffers[1]  # (N, d)
-            return [RecurrentCache(c[a:e]) for a, e in itertools.pairwise(bounds)]
-        for room in self.rooms:
-            room.filled += 1
-        return [
-            room.cache(e - a)
-            for room, (a, e) in zip(self.rooms, itertools.pairwise(bounds), strict=True)
-        ]
+    def grown(self) -> list[LayerCache | RecurrentCache]:
+        """The caches after the call: each Room one position fuller, an SSRU's c_t."""
+        N = self.inputs[0].size(0)
+        grown: list[LayerCache | RecurrentCache] = []
+        for i, r in enumerate(self.kept):
+            if isinstance(r, Room):
+                r.filled += 1
+                grown.append(r.cache(N))
+            else:
+                grown.append(RecurrentCache(self.buffers[2 * i + 1]))
+        return grown
 
 
 def _self_attention(q: Tensor, k: Tensor, v: Tensor, parts: list[_Cohort]) -> Tensor:

@@ -6,6 +6,7 @@ found; `attnmt translate --compile` gives the uncompiled output."""
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 
 import pytest
@@ -140,6 +141,48 @@ def test_rows_that_join_a_running_pool_step_as_with_the_lean_step(cache, monkeyp
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
 
 
+def _cohort_steps(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Logits of 5 steps: 4 rows; at step 2 rows 1 and 3 leave and two join at their own
+    positions; from step 3 on a second cohort (two sentences, two beams each, reordered)
+    steps beside them (beam search's pool)."""
+    a, b, c = (random_batch(seed=s, B=n) for s, n in ((1, 4), (2, 2), (3, 2)))
+    memory = model.encode(a.src, a.src_pad_mask)
+    state, prev, out = model.init_state(memory), torch.full((4,), 2), []
+    other, other_state = None, None
+    for step in range(5):
+        if step == 2:
+            keep = torch.tensor([0, 2])
+            memory, state, prev = keep_and_join(model, memory, state, prev, keep, b)
+        if step == 3:
+            other = model.encode(c.src, c.src_pad_mask)
+            other_state = model.select_state(model.init_state(other), torch.tensor([0, 0, 1, 1]))
+        if other is None:
+            logits, state, _ = model.decode_step(memory, state, prev)
+        else:
+            both = torch.cat([prev, torch.tensor([5, 6, 7, 8])])
+            logits, (state, other_state), _ = model.decode_cohorts(
+                [memory, other], [state, other_state], both, [4, 4]
+            )
+            other_state = model.select_state(other_state, torch.tensor([1, 0, 3, 3]))
+        out.append(logits)
+        prev = logits[:4].argmax(1)
+    return out
+
+
+@needs_compiler
+@pytest.mark.parametrize("overrides", [{}, {"decoder": "ssru"}], ids=["pre-norm", "ssru"])
+def test_cohorts_step_by_the_compiled_layers_as_by_the_lean_step(overrides, cache, monkeypatch):
+    """Cohorts (beam search's pool): one compiled call each, nothing written where one of them
+    cannot be taken."""
+    model, plain, ran = _compiled(monkeypatch, **overrides)
+    with torch.no_grad():
+        mine, theirs = _cohort_steps(model), _cohort_steps(plain)
+    assert len(ran) == 5 and all(r is not None for r in ran)
+    assert [len(caches) for _, caches in ran] == [1, 1, 1, 2, 2]
+    for x, y in zip(mine, theirs, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
 def test_without_a_compiler_decoding_goes_on_and_says_why(cache, monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))  # no c++, no g++
     monkeypatch.setenv("CXX", "c++")
@@ -168,10 +211,29 @@ def test_what_it_does_not_compile_is_said(arch, precision, why, cache, capsys):
 
 
 @needs_compiler
-def test_translate_compile_gives_the_same_lines(trained, run_cli, cache):
+def test_translate_compiles_by_default_and_gives_the_same_lines(
+    trained, run_cli, cache, monkeypatch
+):
+    """Compiled by default (once: the second run loads it), --no-compile and ATTNMT_COMPILE=0
+    decode as before; the same lines every way, and no DeprecationWarning from attnmt's code
+    (warnings as errors: TorchScript's, before the compiled step replaced it)."""
     model, corpus = trained
     lines = ["-m", str(model), "-i", str(corpus["dev_src"])]
-    plain = run_cli("translate", *lines)
-    compiled = run_cli("translate", *lines, "--compile")
-    assert compiled.code == 0 and "compiled step: compiled in" in compiled.stderr
-    assert compiled.stdout == plain.stdout
+    plain = run_cli("translate", *lines)  # ATTNMT_COMPILE=0 (conftest)
+    assert "compiled step" not in plain.stderr and not cache.exists()
+    monkeypatch.delenv("ATTNMT_COMPILE")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", category=DeprecationWarning, module="attnmt")
+        runs = [run_cli("translate", *lines, *extra) for extra in ([], [], ["--no-compile"])]
+    first, second, off = runs
+    assert first.code == 0 and "compiled step: compiled in" in first.stderr
+    assert second.code == 0 and "compil" not in second.stderr  # loaded from the cache
+    assert "compil" not in off.stderr and len(list(cache.glob("*.pt2"))) == 1
+    assert first.stdout == second.stdout == off.stdout == plain.stdout
+
+
+def test_by_default_models_it_does_not_compile_say_nothing(cache, monkeypatch, capsys):
+    monkeypatch.delenv("ATTNMT_COMPILE")
+    for arch, precision in (("rnn", "fp32"), ("transformer", "bf16")):
+        for_decoding(tiny_model(arch).eval(), precision, compile=None)
+    assert capsys.readouterr().err == "" and not cache.exists()
