@@ -451,8 +451,13 @@ class TransformerSeq2Seq(Seq2Seq):
 
     @property
     def max_cohorts(self) -> int:  # type: ignore[override]
-        """The lean step shares its products among cohorts; the module path would not."""
-        return COHORTS if self.lean_step is not None else 1
+        """The lean step shares its products among cohorts; the module path would not, nor the
+        compiled step, whose one call a cohort costs more than a cohort's attention over the
+        youngest's padded steps (a server's beam 5, 64 in flight: 1 cohort 84.6 sentences/s,
+        2 83.1, 8 74.5; the lean step's 8 78.4; docs/log/2026-12-compiled-step.md)."""
+        if self.lean_step is None or getattr(self.lean_step, "compiled", None) is not None:
+            return 1
+        return COHORTS
 
     def decode_cohorts(
         self,

@@ -10,7 +10,9 @@ from attnmt.data.tokenizer import EOS_ID, PAD_ID
 from attnmt.decoding.batch import decode, new_pool
 from attnmt.decoding.constraints import Phrases
 from attnmt.decoding.ensemble import Ensemble
+from attnmt.decoding.precision import for_decoding
 from attnmt.decoding.search import Beam, Greedy, SearchOptions, forced_tokens
+from attnmt.models import compiled_step
 from attnmt.models.seq2seq import AttentionSpec
 
 from helpers import V, tiny_model
@@ -149,3 +151,18 @@ def test_a_pool_that_empties_starts_again():
         found.update(pool.step())
     assert sorted(found) == first + second
     assert_same([[found[i]] for i in first + second], alone(model, src, options))
+
+
+@pytest.mark.skipif(compiled_step._compiler_missing() is not None, reason="no C++ compiler here")
+@pytest.mark.parametrize("decoder", ["attention", "ssru"])
+@pytest.mark.parametrize("method", [Greedy(), Beam(4, 1.0, 3)], ids=["greedy", "beam"])
+def test_a_compiled_steps_pool_gives_the_batch_paths_output(decoder, method, tmp_path, monkeypatch):
+    """The compiled step (models.compiled_step) takes a pool's joins as one cohort."""
+    monkeypatch.setenv("ATTNMT_CACHE", str(tmp_path))
+    plain = for_decoding(tiny_model("transformer", decoder=decoder).eval(), "fp32")
+    model = for_decoding(tiny_model("transformer", decoder=decoder).eval(), "fp32", compile=True)
+    assert model.lean_step.compiled is not None and model.max_cohorts == 1
+    src = sources(9)
+    options = SearchOptions(method, max_len_a=1.0, max_len_b=4)
+    with torch.no_grad():
+        assert_same(pooled(model, src, options, joins=[0, 2, 3, 7]), alone(plain, src, options))
