@@ -5,15 +5,18 @@ its state explicit input and output, batch and lengths dynamic), `attnmt-onnx.js
 runtime needs to search: input and output names, how each state tensor starts, the special
 ids, the output limit, the length penalty, language tags) and the tokenizer: the
 SentencePiece model(s) and `tokenizer.json` (their pieces and scores, for a runtime without
-SentencePiece: the browser page, interop.web). int8 (`--quantization int8`): onnxruntime's
-dynamic quantization, int8 weights of every MatMul with per-row scales, activations
-quantized at run time (MatMulInteger), the same scheme as attnmt's own int8.
+SentencePiece: the browser page, interop.web), and the page's search and tokenizer as a
+JavaScript module for Node (search.js, tokenizer.js, package.json; onnxruntime-node). int8
+(`--quantization int8`): onnxruntime's dynamic quantization, int8 weights of every MatMul with
+per-row scales, activations quantized at run time (MatMulInteger), the same scheme as
+attnmt's own int8.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -38,6 +41,11 @@ MANIFEST = "attnmt-onnx.json"
 SHORTLIST_BIN = "shortlist.bin"  # int32 (source vocabulary, k), -1 padding: decoding.shortlist
 QUANTIZATIONS = ("int8",)
 OPSET = 18
+# The page's search and tokenizer (interop/web/), which Node loads as a CommonJS module too.
+JS_FOLDER = Path(__file__).parent / "web"
+JS_MODULE = ("search.js", "tokenizer.js")
+NODE_RUNTIME = "onnxruntime-node"
+NODE_RUNTIME_VERSION = "1.30.0"  # tested (scripts/get_onnxruntime_node.sh)
 
 
 def export_onnx(
@@ -52,7 +60,24 @@ def export_onnx(
     check_onnx_export(model_dir, out, quantization, force)
     with atomic_directory(out, "the export") as tmp:
         write_onnx(model_dir, tmp, weights, quantization)
+        write_js_module(tmp)
     return sorted(p.name for p in out.iterdir())
+
+
+def write_js_module(folder: Path) -> None:
+    """search.js and tokenizer.js, with a package.json that makes the folder a CommonJS
+    package: `require("./FOLDER").load("FOLDER")` in Node, with onnxruntime-node installed."""
+    for name in JS_MODULE:
+        shutil.copyfile(JS_FOLDER / name, folder / name)
+    package = {
+        "name": "attnmt-onnx-model",
+        "private": True,
+        "description": "An attnmt model exported to ONNX, with its search (greedy, beam)",
+        "type": "commonjs",
+        "main": "search.js",
+        "dependencies": {NODE_RUNTIME: f"^{NODE_RUNTIME_VERSION}"},
+    }
+    (folder / "package.json").write_text(json.dumps(package, indent=2) + "\n")
 
 
 def check_onnx_export(model_dir: Path, out: Path, quantization: str | None, force: bool) -> None:

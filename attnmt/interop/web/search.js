@@ -2,8 +2,25 @@
 // (decoding/greedy.py, decoding/beam.py): the encoder graph once per batch, then one decoder
 // step at a time, its state (caches, recurrent states) passed back in. Every memory and state
 // tensor has its batch on axis 0, so keeping, repeating or reordering rows is one copy.
+// In a page (after onnxruntime-web and tokenizer.js): AttnmtSearch.load("model/"). In Node,
+// with onnxruntime-node installed: require("./search.js").load(FOLDER) (docs/exporting.md).
 (function (root) {
   "use strict";
+  const inNode = typeof module !== "undefined" && !!module.exports;
+  const ort = inNode ? require("onnxruntime-node") : root.ort;
+  const Tokenizer = inNode ? require("./tokenizer.js").Tokenizer : root.AttnmtTokenizer;
+
+  // A file of the export: fetched in a page, read from disk in Node.
+  async function readBytes(path) {
+    if (inNode) return new Uint8Array(await require("node:fs/promises").readFile(path));
+    const response = await fetch(path);
+    if (!response.ok) throw new Error(`${path}: HTTP ${response.status}`);
+    return new Uint8Array(await response.arrayBuffer());
+  }
+
+  async function readJson(path) {
+    return JSON.parse(new TextDecoder().decode(await readBytes(path)));
+  }
 
   function size(dims) {
     return dims.reduce((a, b) => a * b, 1);
@@ -27,17 +44,18 @@
       this.ids = info.ids;
     }
 
+    // The export in folder `base` (ending in "/").
     static async load(base) {
-      const json = async (name) => (await fetch(base + name)).json();
-      const info = await json("attnmt-onnx.json");
-      const src = new AttnmtTokenizer(await json(info.tokenizer.source));
+      const info = await readJson(base + "attnmt-onnx.json");
+      const src = new Tokenizer(await readJson(base + info.tokenizer.source));
       const same = info.tokenizer.target === info.tokenizer.source;
-      const tgt = same ? src : new AttnmtTokenizer(await json(info.tokenizer.target));
-      const options = { executionProviders: ["wasm"], graphOptimizationLevel: "all" };
+      const tgt = same ? src : new Tokenizer(await readJson(base + info.tokenizer.target));
+      const provider = inNode ? "cpu" : "wasm";
+      const options = { executionProviders: [provider], graphOptimizationLevel: "all" };
       const encoder = await ort.InferenceSession.create(base + "encoder.onnx", options);
       const decoder = await ort.InferenceSession.create(base + "decoder.onnx", options);
       let table = null; // the lexical shortlist: each source id's k likeliest target ids
-      if (info.shortlist) table = new Int32Array(await (await fetch(base + info.shortlist.file)).arrayBuffer());
+      if (info.shortlist) table = new Int32Array((await readBytes(base + info.shortlist.file)).buffer);
       return new Model(info, src, tgt, encoder, decoder, table);
     }
 
@@ -220,5 +238,8 @@
     return top;
   }
 
-  root.AttnmtSearch = Model;
+  if (inNode) {
+    const load = (folder) => Model.load(folder.endsWith("/") ? folder : folder + "/");
+    module.exports = { Model, load };
+  } else root.AttnmtSearch = Model;
 })(this);
