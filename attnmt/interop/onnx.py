@@ -43,7 +43,7 @@ QUANTIZATIONS = ("int8",)
 OPSET = 18
 # The page's search and tokenizer (interop/web/), which Node loads as a CommonJS module too.
 JS_FOLDER = Path(__file__).parent / "web"
-JS_MODULE = ("search.js", "tokenizer.js")
+JS_MODULE = ("search.js", "tokenizer.js", "constraints.js")
 NODE_RUNTIME = "onnxruntime-node"
 NODE_RUNTIME_VERSION = "1.30.0"  # tested (scripts/get_onnxruntime_node.sh)
 

@@ -18,7 +18,7 @@ from attnmt.errors import AttnmtError
 from attnmt.interop.onnx import check_onnx_export, write_onnx
 
 PAGE = Path(__file__).parent / "web"
-PAGE_FILES = ("index.html", "page.js", "search.js", "tokenizer.js")
+PAGE_FILES = ("index.html", "page.js", "search.js", "tokenizer.js", "constraints.js")
 RUNTIME = PAGE / "runtime"  # scripts/get_web_runtime.py fills it
 # onnxruntime-web's WebAssembly (CPU) build: the API, the wasm module's loader and the module.
 WASM = "ort-wasm-simd-threaded.wasm"

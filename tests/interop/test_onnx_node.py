@@ -1,5 +1,6 @@
 """The ONNX export's JavaScript module (search.js, tokenizer.js: the web page's search and
-tokenizer) in Node with onnxruntime-node: greedy and beam search give attnmt's translations."""
+tokenizer) in Node with onnxruntime-node: greedy and beam search give attnmt's translations,
+and with a glossary (constraints.js) those of `attnmt translate --terminology`."""
 
 from __future__ import annotations
 
@@ -26,10 +27,11 @@ SCRIPT = """
 const attnmt = require(process.argv[2]);
 (async () => {
   const model = await attnmt.load(process.argv[2]);
-  const lines = JSON.parse(require("node:fs").readFileSync(0, "utf8"));
+  const { lines, glossary } = JSON.parse(require("node:fs").readFileSync(0, "utf8"));
   const greedy = await model.translate(lines);
   const beam = await model.translate(lines, 3);
-  console.log(JSON.stringify({ greedy, beam }));
+  const terms = await model.translate(lines, 3, null, { glossary });
+  console.log(JSON.stringify({ greedy, beam, terms }));
 })().catch((e) => { console.error(e); process.exit(1); });
 """
 
@@ -47,8 +49,11 @@ def test_the_export_translates_in_node_as_attnmt_does(tmp_path: Path, trained, r
     assert len(lines) == 20
     script = tmp_path / "translate.js"
     script.write_text(SCRIPT)
+    glossary = "w2\tt9 t9\nw5|w7\tt3\n# a comment\n"
+    (tmp_path / "terms.tsv").write_text(glossary)
+    given = json.dumps({"lines": lines, "glossary": glossary})
     done = subprocess.run(
-        [NODE, str(script), str(out)], input=json.dumps(lines), capture_output=True, text=True,
+        [NODE, str(script), str(out)], input=given, capture_output=True, text=True,
         env={**os.environ, "NODE_PATH": str(HOME / "node_modules")}, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
@@ -56,3 +61,10 @@ def test_the_export_translates_in_node_as_attnmt_does(tmp_path: Path, trained, r
     ours = Translator.load(model)
     assert got["greedy"] == ours.translate(lines, beam=1)
     assert got["beam"] == [ours.translate([line], beam=3)[0] for line in lines]
+    termed = Translator.load(model, terminology=tmp_path / "terms.tsv")
+    want = [termed.translate([line], beam=3)[0] for line in lines]
+    assert sum("w2" in line.split() or "w5" in line.split() for line in lines) >= 5
+    assert got["terms"] == want and got["terms"] != got["beam"]  # the terms changed lines
+    for line, text in zip(lines, got["terms"], strict=True):
+        if "w2" in line.split():
+            assert "t9 t9" in text

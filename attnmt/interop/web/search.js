@@ -9,6 +9,7 @@
   const inNode = typeof module !== "undefined" && !!module.exports;
   const ort = inNode ? require("onnxruntime-node") : root.ort;
   const Tokenizer = inNode ? require("./tokenizer.js").Tokenizer : root.AttnmtTokenizer;
+  const { Glossary, Constraints } = inNode ? require("./constraints.js") : root.AttnmtConstraints;
 
   // A file of the export: fetched in a page, read from disk in Node.
   async function readBytes(path) {
@@ -42,6 +43,11 @@
     constructor(info, src, tgt, encoder, decoder, table) {
       Object.assign(this, { info, src, tgt, encoder, decoder, table });
       this.ids = info.ids;
+      // Per target id: the piece continues the word before it (a letter or digit without
+      // SentencePiece's word-start mark; Tokenizer.word_inner), where a glossary term may not end.
+      this.inner = tgt.spec.pieces.map(
+        ([piece, , kind]) => kind !== "control" && kind !== "unknown" && /^[\p{L}\p{N}]/u.test(piece),
+      );
     }
 
     // The export in folder `base` (ending in "/").
@@ -59,12 +65,12 @@
       return new Model(info, src, tgt, encoder, decoder, table);
     }
 
-    // The sorted target ids a batch of sentences may output (decoding/shortlist.py), or null:
-    // the whole vocabulary.
-    outputs(sources) {
+    // The sorted target ids a batch of sentences may output (decoding/shortlist.py; and the
+    // ids of `phrases`, a glossary's), or null: the whole vocabulary.
+    outputs(sources, phrases = []) {
       if (!this.table) return null;
       const { k, frequent, always } = this.info.shortlist;
-      const found = new Set([...frequent, ...always]);
+      const found = new Set([...frequent, ...always, ...phrases.flat()]);
       for (const s of sources) {
         for (const id of s) {
           for (const t of this.table.subarray(id * k, (id + 1) * k)) if (t >= 0) found.add(t);
@@ -152,8 +158,9 @@
     // length_penalty and length_norm, else the model's, from the manifest): the best hypothesis.
     // As attnmt's BeamPool: with the GNMT form it stops once the best candidate is EOS; with
     // length^alpha ("length") once no live beam, normalised as if `lookahead` tokens longer,
-    // can outscore the best finished hypothesis.
-    async beam(source, K, options = {}) {
+    // can outscore the best finished hypothesis. `phrases` (target id lists, a glossary's):
+    // the output must contain each (constraints.js), and the best hypothesis that does wins.
+    async beam(source, K, options = {}, phrases = []) {
       const enc = await this.encode([source]);
       const zeros = Array(K).fill(0);
       let memory = enc.memory.map((t) => takeRows(t, zeros));
@@ -166,32 +173,39 @@
       let tokens = zeros.map(() => []);
       let prev = zeros.map(() => this.ids.bos);
       const finished = [];
-      const rows = this.outputs([source]);
+      const rows = this.outputs([source], phrases);
+      const column = (id) => (rows ? rows.indexOf(id) : id);
+      const chooser = phrases.length
+        ? new Constraints(
+            phrases.map((p) => p.map(column)), K,
+            rows ? Array.from(rows, (id) => this.inner[id]) : this.inner, column(this.ids.eos),
+          )
+        : null;
       for (let step = 0; ; step++) {
         const next = await this.step(prev, step, memory, state, rows);
-        const cands = best(scores, next.logp, next.V, 2 * K);
-        if (rows) for (const c of cands) c.token = rows[c.token];
+        const { finish, pick, bestIsEos } = chooser
+          ? chooseConstrained(chooser, scores, next, K)
+          : chooseByScore(scores, next, K, column(this.ids.eos));
+        if (rows) for (const c of [...finish, ...pick]) c.token = rows[c.token];
         const length = step + 1;
-        cands.slice(0, K).forEach((c) => {
-          if (c.token === this.ids.eos && c.score > -Infinity) {
-            finished.push({ tokens: tokens[c.beam], score: c.score / penalty(length) });
-          }
-        });
-        const pick = cands
-          .map((c) => ({ ...c, key: c.token === this.ids.eos ? -Infinity : c.score }))
-          .sort((a, b) => b.key - a.key)
-          .slice(0, K);
+        for (const c of finish) finished.push({ tokens: tokens[c.beam], score: c.score / penalty(length), unmet: 0 });
         tokens = pick.map((c) => [...tokens[c.beam], c.token]);
-        scores = pick.map((c) => c.key);
+        scores = pick.map((c) => c.score);
         const atLimit = limit <= length;
-        let stop = cands[0].token === this.ids.eos;
+        let stop = bestIsEos;
         if (byLength) {
           const top = Math.max(...finished.map((f) => f.score));
           stop = top >= Math.max(...scores) / penalty(length + this.info.lookahead);
         }
-        if (atLimit) tokens.forEach((t, j) => finished.push({ tokens: t, score: scores[j] / penalty(length) }));
+        if (atLimit) {
+          tokens.forEach((t, j) => {
+            const unmet = chooser ? chooser.unmet(chooser.rows[j]) : 0;
+            finished.push({ tokens: t, score: scores[j] / penalty(length), unmet });
+          });
+        }
         if (atLimit || (stop && finished.length)) {
-          return finished.reduce((a, b) => (b.score > a.score ? b : a)).tokens;
+          const better = (a, b) => (b.unmet === 0) > (a.unmet === 0) || ((b.unmet === 0) === (a.unmet === 0) && b.score > a.score);
+          return finished.reduce((a, b) => (better(a, b) ? b : a)).tokens;
         }
         const beams = pick.map((c) => c.beam);
         state = next.state.map((t) => takeRows(t, beams));
@@ -199,15 +213,31 @@
       }
     }
 
+    // The terms of `glossary` (a constraints.js Glossary) in a line, and their targets as
+    // target id lists, each target once.
+    terms(line, glossary) {
+      const found = glossary ? glossary.find(line) : [];
+      const targets = [...new Set(found.map((t) => t.target))];
+      return { found, phrases: targets.map((t) => this.tgt.encode(t)) };
+    }
+
     // Each line's translation (empty lines stay empty): greedy in batches, or K beams
-    // (`options`: the manifest's decoding options that beam search reads, by name).
+    // (`options`: the manifest's decoding options that beam search reads, by name, and
+    // `glossary`: a Glossary, or its text, whose terms a line's translation must hold: those
+    // lines by beam search, the model's beam size where K is 1).
     async translate(lines, K = 1, lang = null, options = {}) {
       const out = lines.map(() => "");
-      const todo = lines.map((l, i) => i).filter((i) => lines[i].trim());
-      if (K > 1) {
-        for (const i of todo) out[i] = this.tgt.decode(await this.beam(this.sourceIds(lines[i], lang), K, options));
-        return out;
+      let todo = lines.map((l, i) => i).filter((i) => lines[i].trim());
+      let glossary = options.glossary ?? null;
+      if (typeof glossary === "string") glossary = new Glossary(glossary);
+      const beamed = K > 1 ? todo : todo.filter((i) => this.terms(lines[i], glossary).found.length);
+      for (const i of beamed) {
+        const { phrases } = this.terms(lines[i], glossary);
+        const width = K > 1 ? K : Math.max(2, this.info.beam_size);
+        const found = await this.beam(this.sourceIds(lines[i], lang), width, options, phrases);
+        out[i] = this.tgt.decode(found);
       }
+      todo = todo.filter((i) => !beamed.includes(i));
       const sources = todo.map((i) => this.sourceIds(lines[i], lang));
       const order = todo.map((_, j) => j).sort((a, b) => sources[a].length - sources[b].length);
       for (let at = 0; at < order.length; at += BATCH) {
@@ -220,6 +250,31 @@
   }
 
   const BATCH = 16; // sentences a greedy batch: similar lengths together
+
+  // attnmt's choice without constraints: the 2K best extensions; those of the first K that
+  // are EOS finish, the K best others go on; the search may stop if the best is EOS.
+  function chooseByScore(scores, next, K, eos) {
+    const cands = best(scores, next.logp, next.V, 2 * K);
+    const finish = cands.slice(0, K).filter((c) => c.token === eos && c.score > -Infinity);
+    const pick = cands
+      .map((c) => ({ ...c, key: c.token === eos ? -Infinity : c.score }))
+      .sort((a, b) => b.key - a.key)
+      .slice(0, K)
+      .map((c) => ({ ...c, score: c.key }));
+    return { finish, pick, bestIsEos: cands[0].token === eos };
+  }
+
+  // The choice under a glossary's constraints (constraints.js), K beams kept: where fewer
+  // candidates are left, dead ones (-inf) fill the places, as attnmt's do.
+  function chooseConstrained(chooser, scores, next, K) {
+    chooser.forbidEos(next.logp, next.V);
+    const { finish, pick, bestIsEos } = chooser.choose(chooser.candidates(scores, next.logp, next.V), K);
+    while (pick.length < K) {
+      pick.push({ score: -Infinity, beam: 0, token: pick.length ? pick[0].token : chooser.eos });
+      chooser.rows.push(chooser.rows[0] ?? { cur: -1, pos: 0, met: chooser.phrases.map(() => false) });
+    }
+    return { finish, pick, bestIsEos };
+  }
 
   // The n best (beam, token) extensions of beam scores by next-token log-probs, best first.
   function best(scores, logp, V, n) {
