@@ -35,6 +35,7 @@ class _Section(BaseModel):
 
 
 LANGUAGE = r"^[A-Za-z][A-Za-z0-9_-]{0,15}$"  # a language code: en, pt-BR, zh_Hant
+_LANG_SUFFIX = re.compile(r"\.([a-z]{2})(?:\.gz)?$")  # train.de.gz: de
 
 
 class SplitConfig(_Section):
@@ -158,6 +159,22 @@ class DataConfig(_Section):
     def target_langs(self) -> list[str]:
         """The target languages the training corpora name, sorted."""
         return sorted({c.tgt_lang for c in self.corpora if c.tgt_lang is not None})
+
+    @property
+    def languages(self) -> tuple[list[str], list[str]]:
+        """The source and target languages (codes: de, en) of the training corpora, as they
+        name them (src_lang, tgt_lang), else as two-file corpora's names end (train.de.gz:
+        de); none where neither says. What the pages show as their direction."""
+        sides: tuple[set[str], set[str]] = (set(), set())
+        for c in self.corpora:
+            for side, lang, path in zip(
+                sides, (c.src_lang, c.tgt_lang), (c.src, c.tgt), strict=True
+            ):
+                if lang is None and path is not None and (m := _LANG_SUFFIX.search(path.name)):
+                    lang = m.group(1)
+                if lang is not None:
+                    side.add(lang)
+        return sorted(sides[0]), sorted(sides[1])
 
     @property
     def multilingual(self) -> bool:

@@ -130,6 +130,7 @@ def manifest(
     return {
         "format_version": 1,
         "arch": cfg.model.arch,
+        "languages": dict(zip(("source", "target"), cfg.data.languages, strict=True)),
         "quantization": quantization or "float32",
         "encoder": {"inputs": ["src"], "outputs": encoder_outputs(graphs)},
         "decoder": {"inputs": decoder_inputs(graphs), "outputs": decoder_outputs(graphs)},

@@ -78,6 +78,9 @@ def create_app(
             "arch": translator.cfg.model.arch,
             "beam": translator.cfg.decode.beam,
             "multilingual": translator.cfg.data.multilingual,
+            "languages": dict(
+                zip(("source", "target"), translator.cfg.data.languages, strict=True)
+            ),
             "target_langs": translator.target_langs,
             "queued": scheduler.queued,
             "searching": scheduler.searching,

@@ -128,6 +128,21 @@ def test_the_page_translates_in_the_browser_as_attnmt(tmp_path: Path, trained, b
         assert greedy.split("\n") == ours.translate(lines, beam=1)
         beam = page_output(browser, f"{base}/index.html?q={q}&beam=3")
         assert beam.split("\n") == ours.translate(lines, beam=3)
+        assert not browser.find_element(By.ID, "direction").is_displayed()  # languages unnamed
+        assert not browser.find_element(By.ID, "beam").is_displayed()  # under More options
+        # A glossary, in the terminology file's form: its terms, as translate --terminology.
+        (tmp_path / "terms.tsv").write_text("w2\tt9 t9\n")
+        termed = Translator.load(model, terminology=tmp_path / "terms.tsv")
+        glossary = urllib.parse.quote("w2\tt9 t9")
+        got = page_output(browser, f"{base}/index.html?q={q}&glossary={glossary}").split("\n")
+        held = [i for i, line in enumerate(lines) if "w2" in line.split()]
+        width = max(2, termed.cfg.decode.beam)  # the page's beam is 1: the model's, for them
+        want = termed.translate([lines[i] for i in held], beam=width)
+        assert held and [got[i] for i in held] == want
+        assert all("t9 t9" in got[i] for i in held)
+        others = [i for i in range(len(lines)) if i not in held]
+        assert [got[i] for i in others] == ours.translate([lines[i] for i in others], beam=1)
+        assert browser.find_element(By.ID, "terms").text == "Glossary terms used: w2 → t9 t9"
         # By keyboard: the text, then Ctrl+Enter.
         page_output(browser, f"{base}/index.html")
         source = browser.find_element(By.ID, "source")
@@ -179,7 +194,7 @@ def test_a_multilingual_page_translates_into_the_chosen_language(tmp_path: Path,
         "tgt": str(write_lines(tmp_path / "t", tgt)),
     }
     raw = tiny_config({k: tmp_path / k for k in ("train_src", "train_tgt", "dev_src", "dev_tgt")})
-    raw["data"]["train"] = [{**files, "tgt_lang": lang} for lang in ("de", "en")]
+    raw["data"]["train"] = [{**files, "src_lang": "fr", "tgt_lang": lang} for lang in ("de", "en")]
     raw["data"]["dev"] = [{**files, "tgt_lang": lang} for lang in ("de", "en")]
     raw["train"].update(max_steps=2, eval_every=2)
     train(from_dict(raw), tmp_path / "m", quiet=True)
@@ -215,6 +230,10 @@ def test_a_multilingual_page_translates_into_the_chosen_language(tmp_path: Path,
             got = page_output(browser, f"{base}/index.html?q={q}&lang={lang}")
             assert got.split("\n") == ours.translate(lines, beam=1, target_lang=lang)
             assert browser.find_element(By.ID, "lang").get_attribute("value") == lang
+        # The direction in plain words, the languages by name.
+        assert browser.find_element(By.ID, "direction").text == "French → German, English"
+        names = [o.text for o in browser.find_elements(By.CSS_SELECTOR, "#lang option")]
+        assert names == ["German", "English"]
 
 
 @pytest.mark.skipif(not HAS_RUNTIME, reason=NO_RUNTIME)
@@ -270,5 +289,7 @@ def test_7_the_page_searches_with_the_models_length_norm(tmp_path: Path, corpus,
         assert page_output(browser, url).split("\n") == gnmt
         from selenium.webdriver.common.by import By
 
+        assert not browser.find_element(By.ID, "limits").is_displayed()  # under More options
+        browser.find_element(By.CSS_SELECTOR, "#more summary").click()
         limits = browser.find_element(By.ID, "limits").text
         assert all(name in limits for name in not_exported())

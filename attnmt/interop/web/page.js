@@ -1,8 +1,11 @@
 // The page: loads the model from model/, translates the text area's lines (or ?q=TEXT on
-// load) and shows them in #output, a line per line. ?beam=K sets the beam size; a multilingual
-// model's target language is chosen in #lang (?lang=L); the manifest's other decoding options
-// (its "options": length_penalty, length_norm) are taken from the URL by name, within their
-// bounds, and the options it cannot do ("not_supported") are listed in #limits.
+// load) and shows them in #output, a line per line. It names the model's direction ("German →
+// English", from the manifest's languages); a glossary (#glossary, ?glossary=LINES) makes its
+// terms constraints of the lines that hold them (constraints.js). ?beam=K sets the beam size
+// (under "More options", with what the model is); a multilingual model's target language is
+// chosen in #lang (?lang=L); the manifest's other decoding options (its "options":
+// length_penalty, length_norm) are taken from the URL by name, within their bounds, and the
+// options it cannot do ("not_supported") are listed in #limits.
 (async function () {
   "use strict";
   const $ = (id) => document.getElementById(id);
@@ -28,11 +31,20 @@
     return;
   }
   const threads = ort.env.wasm.numThreads;
-  $("status").textContent =
-    `${model.info.arch} model, ${model.info.quantization}, in this browser (WebAssembly` +
-    `${threads > 1 ? `, ${threads} threads` : ""}): nothing leaves this page`;
+  $("status").textContent = "Ready. The translation runs in this browser: nothing you type " +
+    "leaves this page.";
+  $("about").textContent =
+    `The model: ${model.info.arch}, ${model.info.quantization}, run by onnxruntime-web ` +
+    `(WebAssembly${threads > 1 ? `, ${threads} threads` : ", 1 thread"}).`;
+  const named = model.info.languages || { source: [], target: [] };
+  if (named.source.length && named.target.length) {
+    const direction = `${named.source.map(language).join(", ")} → ${named.target.map(language).join(", ")}`;
+    $("direction").textContent = direction;
+    $("direction").hidden = false;
+    document.title = `Translate ${direction}`;
+  }
   const langs = Object.keys(model.info.target_tags);
-  for (const lang of langs) $("lang").add(new Option(lang, lang));
+  for (const lang of langs) $("lang").add(new Option(language(lang), lang));
   $("lang-label").hidden = !langs.length;
   if (langs.includes(params.get("lang"))) $("lang").value = params.get("lang");
   const declared = model.info.options;
@@ -49,19 +61,39 @@
     const { min, max } = declared.beam;
     const beam = Math.max(min, Math.min(max, parseInt($("beam").value, 10) || 1));
     $("error").textContent = "";
+    let glossary;
+    try {
+      glossary = new AttnmtConstraints.Glossary($("glossary").value);
+    } catch (e) {
+      $("error").textContent = `${e.message}`;
+      return;
+    }
     $("go").disabled = true;
     const start = performance.now();
     try {
-      const out = await model.translate(lines, beam, langs.length ? $("lang").value : null, asked);
+      const lang = langs.length ? $("lang").value : null;
+      const out = await model.translate(lines, beam, lang, { ...asked, glossary });
       const seconds = (performance.now() - start) / 1000;
       $("output").textContent = out.join("\n");
+      const used = [...new Set(lines.flatMap((l) => glossary.find(l)))];
+      $("terms").hidden = !used.length;
+      $("terms").textContent = "Glossary terms used: " + used.map((t) => `${t.source} → ${t.target}`).join("; ");
       const words = out.reduce((n, s) => n + (s.trim() ? s.trim().split(/\s+/).length : 0), 0);
       window.attnmtTiming = { sentences: lines.length, words, seconds };
-      $("status").textContent = `${lines.length} line(s), ${words} words in ${seconds.toFixed(2)} s`;
+      $("status").textContent = `Translated ${lines.length} line(s), ${words} words, in ${seconds.toFixed(1)} s.`;
     } catch (e) {
       $("error").textContent = `translation failed: ${e.message || e}`;
     } finally {
       $("go").disabled = false;
+    }
+  }
+
+  // A language's name in English ("de": German), else its code.
+  function language(code) {
+    try {
+      return new Intl.DisplayNames(["en"], { type: "language" }).of(code) || code;
+    } catch (e) {
+      return code;
     }
   }
 
@@ -98,6 +130,7 @@
     if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) { e.preventDefault(); translate(); }
   });
   if (params.has("beam")) $("beam").value = params.get("beam");
+  if (params.has("glossary")) $("glossary").value = params.get("glossary");
   if (params.has("q")) {
     $("source").value = params.get("q");
     await translate();
