@@ -8,13 +8,14 @@ own code (tests/serve/test_page.py) against a real model:
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "serve"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from test_page import CHROMIUM, DRIVER, png_size, translate_on_the_page
+from test_page import png_size, translate_on_the_page
 
 from attnmt import Translator
 from attnmt.serve.schema import Limits
@@ -31,10 +32,10 @@ def main() -> int:
     from selenium import webdriver
 
     options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
+    options.binary_location = shutil.which("chromium") or "chromium"
     for arg in ("--headless=new", "--no-sandbox", "--window-size=1000,1250"):
         options.add_argument(arg)
-    browser = webdriver.Chrome(options=options, service=webdriver.ChromeService(DRIVER))
+    browser = webdriver.Chrome(options=options, service=webdriver.ChromeService(shutil.which("chromedriver")))
     server = start_server(Translator.load(args.model, device="cpu"), Limits(), args.model.name)
     try:
         translate_on_the_page(browser, next(server), args.sentence)

@@ -47,19 +47,34 @@ def test_the_api_returns_each_layer_and_heads_attention(server, trained, tmp_pat
     assert "attention" not in plain
 
 
-def translate_on_the_page(browser, url: str, sentence: str) -> None:
-    """Open the page, type the text, press Ctrl+Enter (no mouse), wait for the answer."""
+def open_page(browser, url: str):
+    """Open the page and wait for /health's answer; returns the wait."""
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import WebDriverWait
 
     browser.get(f"{url}/")
     wait = WebDriverWait(browser, 60)
-    wait.until(lambda d: "(" in d.find_element(By.ID, "model").text)  # /health answered
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "body[data-ready]"))
+    return wait
+
+
+def translate_on_the_page(browser, url: str, sentence: str, details: bool = True) -> None:
+    """Open the page, (with `details`: ask, under More options, for the other translations
+    and the attention), type the text, press Ctrl+Enter, wait for the answer."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    wait = open_page(browser, url)
+    if details:
+        browser.find_element(By.CSS_SELECTOR, "#more summary").click()
+        browser.find_element(By.ID, "details").click()
     box = browser.find_element(By.ID, "source")
     box.clear()
     box.send_keys(sentence, Keys.CONTROL, Keys.ENTER)
-    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#heatmap tbody td"))
+    if details:
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#heatmap tbody td"))
+    else:
+        wait.until(lambda d: d.find_element(By.ID, "results").is_displayed())
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -127,8 +142,9 @@ def test_the_page_shows_the_terms_applied(trained, browser):
         translate_on_the_page(browser, url, SENTENCE)
         assert browser.find_element(By.ID, "terms").text == "Terms applied: w2 → t9 t9"
         assert " t9 t9 " in f" {browser.find_element(By.ID, 'translation').text} "
-        translate_on_the_page(browser, url, "w3 w4")
+        translate_on_the_page(browser, url, "w3 w4", details=False)
         assert not browser.find_element(By.ID, "terms").is_displayed()
+        assert not browser.find_element(By.ID, "heatmap").is_displayed()  # not asked for
 
 
 def test_the_page_of_a_multilingual_model_asks_for_the_language(
@@ -136,7 +152,7 @@ def test_the_page_of_a_multilingual_model_asks_for_the_language(
 ):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
-    from selenium.webdriver.support.ui import Select, WebDriverWait
+    from selenium.webdriver.support.ui import Select
 
     from attnmt.config import from_dict
     from attnmt.training.loop import train
@@ -147,16 +163,17 @@ def test_the_page_of_a_multilingual_model_asks_for_the_language(
     src, tgt = make_pairs(200, 1)
     files = {"src": str(write_lines(base / "s", src)), "tgt": str(write_lines(base / "t", tgt))}
     raw = tiny_config({k: base / k for k in ("train_src", "train_tgt", "dev_src", "dev_tgt")})
-    raw["data"]["train"] = [{**files, "tgt_lang": lang} for lang in ("de", "en")]
+    raw["data"]["train"] = [{**files, "src_lang": "fr", "tgt_lang": lang} for lang in ("de", "en")]
     raw["data"]["dev"] = [{**files, "tgt_lang": lang} for lang in ("de", "en")]
     raw["train"].update(max_steps=2, eval_every=2)
     train(from_dict(raw), base / "m", quiet=True)
     translator = Translator.load(base / "m", device="cpu")
     for url in start_server(translator, Limits(), "multi"):
-        browser.get(f"{url}/")
-        wait = WebDriverWait(browser, 60)
-        wait.until(lambda d: "(" in d.find_element(By.ID, "model").text)
+        wait = open_page(browser, url)
         assert not browser.find_element(By.ID, "results").is_displayed()  # nothing yet
+        assert browser.find_element(By.ID, "direction").text == "French → German, English"
+        names = [o.text for o in browser.find_elements(By.CSS_SELECTOR, "#lang option")]
+        assert names == ["choose…", "German", "English"]
         assert Select(browser.find_element(By.ID, "lang")).first_selected_option.text == "choose…"
         browser.find_element(By.ID, "source").send_keys("w1 w2", Keys.CONTROL, Keys.ENTER)
         assert browser.find_element(By.ID, "translation").text == ""  # no default language
@@ -170,12 +187,11 @@ def test_the_page_translates_lines_with_markup_and_a_glossary_and_copies(
 ):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
-    from selenium.webdriver.support.ui import WebDriverWait
 
     model, _ = trained
-    browser.get(f"{server}/")
-    wait = WebDriverWait(browser, 60)
-    wait.until(lambda d: "(" in d.find_element(By.ID, "model").text)
+    wait = open_page(browser, server)
+    assert not browser.find_element(By.ID, "direction").is_displayed()  # languages unnamed
+    assert not browser.find_element(By.ID, "beam").is_displayed()  # under More options
     lines = ["w1 w2", "w3", "w4 w5 w6"]
     box = browser.find_element(By.ID, "source")
     box.send_keys(lines[0], Keys.ENTER, lines[1], Keys.ENTER, lines[2], Keys.CONTROL, Keys.ENTER)
@@ -187,6 +203,7 @@ def test_the_page_translates_lines_with_markup_and_a_glossary_and_copies(
     wait.until(lambda d: d.find_element(By.ID, "copied").text == "Copied.")
 
     box.clear()
+    browser.find_element(By.CSS_SELECTOR, "#more summary").click()
     browser.find_element(By.ID, "markup").click()
     browser.find_element(By.ID, "glossary").send_keys("w2 = t9")
     box.send_keys("<b>w1</b> w2", Keys.CONTROL, Keys.ENTER)
