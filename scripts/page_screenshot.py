@@ -35,7 +35,8 @@ def main() -> int:
     options.binary_location = shutil.which("chromium") or "chromium"
     for arg in ("--headless=new", "--no-sandbox", "--window-size=1000,1250"):
         options.add_argument(arg)
-    browser = webdriver.Chrome(options=options, service=webdriver.ChromeService(shutil.which("chromedriver")))
+    service = webdriver.ChromeService(shutil.which("chromedriver"))
+    browser = webdriver.Chrome(options=options, service=service)
     server = start_server(Translator.load(args.model, device="cpu"), Limits(), args.model.name)
     try:
         translate_on_the_page(browser, next(server), args.sentence)
