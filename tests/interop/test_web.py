@@ -180,6 +180,50 @@ def test_a_missing_runtime_is_one_line(tmp_path: Path, trained, run_cli):
 
 
 @pytest.mark.skipif(not HAS_RUNTIME, reason=NO_RUNTIME)
+def test_without_a_copy_the_first_export_fetches_the_runtime_once(
+    tmp_path: Path, trained, run_cli, monkeypatch
+):
+    """The npm registry stood in for by a .tgz of the package's dist/ files."""
+    import tarfile
+
+    from attnmt.interop import web, web_runtime
+
+    package = tmp_path / "onnxruntime-web.tgz"
+    with tarfile.open(package, "w:gz") as tgz:
+        for name in RUNTIME_FILES:
+            data = (RUNTIME / name).read_bytes()
+            if name.endswith(".gz"):
+                name, data = name.removesuffix(".gz"), gzip.decompress(data)
+            (tmp_path / name).write_bytes(data)
+            tgz.add(tmp_path / name, f"package/dist/{name}")
+    packs: list[Path] = []
+    monkeypatch.setattr(web_runtime, "npm_pack", lambda tmp: packs.append(tmp) or package)
+    monkeypatch.setattr(web, "RUNTIME", tmp_path / "no-copy")
+    monkeypatch.setenv("ATTNMT_CACHE", str(tmp_path / "cache"))
+    model, _ = trained
+    first = run_cli("export", str(model), str(tmp_path / "a"), "--format", "web")
+    assert first.code == 0, first.stderr
+    assert first.stderr.count("fetching it from the npm registry (once)") == 1
+    fetched = tmp_path / "cache" / "web-runtime" / web_runtime.VERSION
+    assert sorted(p.name for p in (tmp_path / "a" / "runtime").iterdir()) == sorted(
+        [*RUNTIME_FILES, "LICENSE"]
+    )
+    assert (fetched / "LICENSE").is_file()
+    second = run_cli("export", str(model), str(tmp_path / "b"), "--format", "web")
+    assert second.code == 0 and "fetching" not in second.stderr and len(packs) == 1
+
+    def unreachable(tmp: Path) -> Path:
+        raise web_runtime.FetchError("npm pack failed: ENOTFOUND registry.npmjs.org")
+
+    monkeypatch.setattr(web_runtime, "npm_pack", unreachable)
+    monkeypatch.setenv("ATTNMT_CACHE", str(tmp_path / "empty-cache"))
+    failed = run_cli("export", str(model), str(tmp_path / "c"), "--format", "web")
+    assert failed.code == 2 and "could not be fetched (npm pack failed" in failed.stderr
+    assert failed.stderr.strip().splitlines()[-1].startswith("attnmt: error: onnxruntime-web")
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.skipif(not HAS_RUNTIME, reason=NO_RUNTIME)
 def test_a_multilingual_page_translates_into_the_chosen_language(tmp_path: Path, browser, run_cli):
     from selenium.webdriver.common.by import By
 
