@@ -10,10 +10,12 @@ other paths and the OpenAPI document (which describes this route: openapi_operat
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -82,10 +84,12 @@ class TranslateRoute:
             check_limits(request, limits)
             options = request_options(translator, request)
             check_work(translator, request, options, limits)
-            prepared = translator.prepare(
-                request.text, options, request.target_lang, request.prefix,
+            prepare = functools.partial(
+                translator.prepare, request.text, options, request.target_lang, request.prefix,
                 request.constraints, request.markup, glossary=glossary(translator, request),
             )  # fmt: skip
+            # With a TM, each line's lookup (SQLite, edit distances) runs off the event loop.
+            prepared = await run_in_threadpool(prepare) if translator.tm is not None else prepare()
             check_constrained_work(prepared, limits)
         except RequestError as e:
             return error_response(e.status, str(e))
