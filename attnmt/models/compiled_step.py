@@ -335,13 +335,22 @@ def _compile(module: DecoderLayers, d: int, path: Path) -> None:
 
 class CompiledLayers:
     """A loaded package: called as DecoderLayers.forward. Copies of a model (copy.deepcopy)
-    share it."""
+    share it.
+
+    The inputs go to the package's runner as the flat list it takes (DecoderLayers.forward's
+    arguments in order, the lists' tensors in place): the package's own __call__ parses its
+    input and output specs from JSON and flattens the arguments with pytree at every call,
+    about 0.1 ms of a 1-row step."""
 
     def __init__(self, run: Callable[..., Tensor], path: Path) -> None:
         self.run, self.path = run, path
+        self._boxed = getattr(getattr(run, "loader", None), "boxed_run", None)
 
-    def __call__(self, *inputs: object) -> Tensor:
-        return self.run(*inputs)
+    def __call__(self, *inputs: Tensor | list[Tensor]) -> Tensor:
+        if self._boxed is None:
+            return self.run(*inputs)
+        flat = [t for x in inputs for t in (x if isinstance(x, list) else (x,))]
+        return self._boxed(flat)[0]
 
     def __deepcopy__(self, memo: dict) -> CompiledLayers:
         return self
