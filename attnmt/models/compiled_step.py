@@ -11,10 +11,11 @@ products, residuals) as fused loops. The 8-minute T, 1 thread, AMD Zen 4, ms a s
 / 64 rows: 1.10 / 2.02 / 9.57 against the lean step's 2.24 / 4.19 / 13.77
 (docs/log/2026-12-compiled-step.md).
 
-A package is made once per model, machine and thread count and kept in a cache folder
-(ATTNMT_CACHE, else ~/.cache/attnmt): compiling takes 15-30 s on 2 cores, loading one under a
-second. Its generated loops keep the thread count of the load (the products follow torch's
-threads as they change). Where no C++ compiler is present or the compile fails, decoding
+A package is made once per model, machine and threading (one thread, or several) and kept in
+a cache folder (ATTNMT_CACHE, else ~/.cache/attnmt): compiling takes 15-30 s on 2 cores,
+loading one under a second. Compiled for one thread its loops are serial; for several they
+are OpenMP loops without a fixed count, which run on the threads torch has when they run (the
+products too), so a machine whose load changes the thread count compiles at most twice. Where no C++ compiler is present or the compile fails, decoding
 keeps the lean step and one line says why.
 
 The step writes the rows' keys and values into their cache buffers (decoding_state.Room) in
@@ -287,13 +288,15 @@ def _dynamic_shapes(module: DecoderLayers) -> tuple:
 
 
 def fingerprint(module: DecoderLayers) -> str:
-    """The package's key: the weights, this file, torch, the CPU and the thread count."""
+    """The package's key: the weights, this file, torch, the CPU and whether it runs on one
+    thread (serial loops) or several (OpenMP loops, any count)."""
     digest = hashlib.sha256()
     for name, tensor in module.state_dict().items():
         digest.update(name.encode())
         digest.update(tensor.contiguous().numpy().tobytes())
     digest.update(Path(__file__).read_bytes())
-    machine = f"{torch.__version__} {platform.machine()} {_cpu_name()} {torch.get_num_threads()}"
+    threading = "serial" if torch.get_num_threads() == 1 else "parallel"
+    machine = f"{torch.__version__} {platform.machine()} {_cpu_name()} {threading}"
     digest.update(f"{module.layers[0].pre_norm} {module.layers[0].activation} {machine}".encode())
     return digest.hexdigest()[:24]
 

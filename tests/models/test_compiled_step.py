@@ -183,6 +183,30 @@ def test_cohorts_step_by_the_compiled_layers_as_by_the_lean_step(overrides, cach
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
 
 
+@needs_compiler
+def test_a_package_for_several_threads_serves_any_count(cache, monkeypatch, capsys):
+    """Compiled on 2 threads, its loops take the threads decoding has when they run: a load
+    on 3 threads takes the same package, and decodes on 1 as the lean step does."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        model, plain, ran = _compiled(monkeypatch)
+        torch.set_num_threads(3)
+        again = for_decoding(tiny_model("transformer").eval(), "fp32")
+        compiled_step.attach(again, "fp32")
+        assert again.lean_step.compiled.path == model.lean_step.compiled.path
+        torch.set_num_threads(1)
+        _same(_searches(again), _searches(plain))
+        assert ran and all(r is not None for r in ran)  # every step by the package
+        one = for_decoding(tiny_model("transformer").eval(), "fp32")
+        compiled_step.attach(one, "fp32")  # serial loops: a package of its own
+        assert one.lean_step.compiled.path != model.lean_step.compiled.path
+    finally:
+        torch.set_num_threads(threads)
+    assert capsys.readouterr().err.count("compiled in") == 2
+    assert len(list(cache.glob("*.pt2"))) == 2
+
+
 def test_without_a_compiler_decoding_goes_on_and_says_why(cache, monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))  # no c++, no g++
     monkeypatch.setenv("CXX", "c++")
