@@ -153,6 +153,13 @@ def run_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str])
     return run
 
 
+@pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache folder of compiled steps (models.compiled_step) for the suite: a tiny model
+    the tests build alike (the same seed, the same weights) compiles once, not once a test."""
+    return tmp_path_factory.mktemp("compile-cache")
+
+
 @pytest.fixture(scope="module")
 def browser():
     """Debian's chromium driven by selenium, headless (skipped, with the reason, without it)."""

@@ -156,9 +156,11 @@ def test_a_pool_that_empties_starts_again():
 @pytest.mark.skipif(compiled_step._compiler_missing() is not None, reason="no C++ compiler here")
 @pytest.mark.parametrize("decoder", ["attention", "ssru"])
 @pytest.mark.parametrize("method", [Greedy(), Beam(4, 1.0, 3)], ids=["greedy", "beam"])
-def test_a_compiled_steps_pool_gives_the_batch_paths_output(decoder, method, tmp_path, monkeypatch):
+def test_a_compiled_steps_pool_gives_the_batch_paths_output(
+    decoder, method, compile_cache, monkeypatch
+):
     """The compiled step (models.compiled_step) takes a pool's joins as one cohort."""
-    monkeypatch.setenv("ATTNMT_CACHE", str(tmp_path))
+    monkeypatch.setenv("ATTNMT_CACHE", str(compile_cache))
     plain = for_decoding(tiny_model("transformer", decoder=decoder).eval(), "fp32")
     model = for_decoding(tiny_model("transformer", decoder=decoder).eval(), "fp32", compile=True)
     assert model.lean_step.compiled is not None and model.max_cohorts == 1
