@@ -15,8 +15,9 @@ A package is made once per model, machine and threading (one thread, or several)
 a cache folder (ATTNMT_CACHE, else ~/.cache/attnmt): compiling takes 15-30 s on 2 cores,
 loading one under a second. Compiled for one thread its loops are serial; for several they
 are OpenMP loops without a fixed count, which run on the threads torch has when they run (the
-products too), so a machine whose load changes the thread count compiles at most twice. Where no C++ compiler is present or the compile fails, decoding
-keeps the lean step and one line says why.
+products too), so a machine whose load changes the thread count compiles at most twice.
+Where no C++ compiler is present or the compile fails, decoding keeps the lean step and one
+line says why.
 
 The step writes the rows' keys and values into their cache buffers (decoding_state.Room) in
 place, at position `at`, and attends over the last L positions up to it (L: the length of

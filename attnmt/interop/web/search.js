@@ -188,7 +188,9 @@
           : chooseByScore(scores, next, K, column(this.ids.eos));
         if (rows) for (const c of [...finish, ...pick]) c.token = rows[c.token];
         const length = step + 1;
-        for (const c of finish) finished.push({ tokens: tokens[c.beam], score: c.score / penalty(length), unmet: 0 });
+        for (const c of finish) {
+          finished.push({ tokens: tokens[c.beam], score: c.score / penalty(length), unmet: 0 });
+        }
         tokens = pick.map((c) => [...tokens[c.beam], c.token]);
         scores = pick.map((c) => c.score);
         const atLimit = limit <= length;
@@ -204,7 +206,9 @@
           });
         }
         if (atLimit || (stop && finished.length)) {
-          const better = (a, b) => (b.unmet === 0) > (a.unmet === 0) || ((b.unmet === 0) === (a.unmet === 0) && b.score > a.score);
+          // The best that met every phrase, if any did (attnmt's _Finished.done).
+          const rank = (h) => [h.unmet === 0 ? 1 : 0, h.score];
+          const better = (a, b) => rank(b)[0] > rank(a)[0] || (rank(b)[0] === rank(a)[0] && b.score > a.score);
           return finished.reduce((a, b) => (better(a, b) ? b : a)).tokens;
         }
         const beams = pick.map((c) => c.beam);
