@@ -6,6 +6,9 @@ found; `attnmt translate --compile` gives the uncompiled output."""
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -213,6 +216,26 @@ def test_a_package_for_several_threads_serves_any_count(shared, monkeypatch, cap
         assert one.lean_step.compiled.path != model.lean_step.compiled.path
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_compiler
+def test_a_cached_package_loads_without_importing_the_compiler(shared, monkeypatch):
+    """Loading a package imports no Inductor (a second of every process's start)."""
+    model, _, _ = _compiled(monkeypatch)
+    code = (
+        "import sys; sys.path.insert(0, 'tests'); from helpers import tiny_model; "
+        "from attnmt.decoding.precision import for_decoding; "
+        "m = for_decoding(tiny_model('transformer').eval(), 'fp32', compile=True); "
+        "print(m.lean_step.compiled.path.name, 'torch._inductor' in sys.modules)"
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [model.lean_step.compiled.path.name, "False"]
+    assert "compiling" not in done.stderr
 
 
 def test_without_a_compiler_decoding_goes_on_and_says_why(cache, monkeypatch, capsys, tmp_path):
