@@ -57,9 +57,10 @@ def runtime_files(runtime: Path | None) -> dict[str, Path]:
     installed copy, else from the cache folder (fetched there first where it is not), by their
     names in the page's runtime/ (the module may be given as onnxruntime-web's own .wasm); one
     clear error when they cannot be had."""
-    if runtime is None and not _files(RUNTIME)[1]:
-        return _files(RUNTIME)[0]
     if runtime is None:
+        found, missing = _files(RUNTIME)
+        if not missing:
+            return found
         runtime = web_runtime.cache_folder()
         if _files(runtime)[1]:
             _fetch(runtime)

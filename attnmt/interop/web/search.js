@@ -217,12 +217,11 @@
       }
     }
 
-    // The terms of `glossary` (a constraints.js Glossary) in a line, and their targets as
-    // target id lists, each target once.
-    terms(line, glossary) {
-      const found = glossary ? glossary.find(line) : [];
-      const targets = [...new Set(found.map((t) => t.target))];
-      return { found, phrases: targets.map((t) => this.tgt.encode(t)) };
+    // The target terms of the `glossary` terms (a constraints.js Glossary, or null) a line
+    // holds, as target id lists, each target once.
+    termPhrases(line, glossary) {
+      const targets = new Set((glossary ? glossary.find(line) : []).map((t) => t.target));
+      return [...targets].map((t) => this.tgt.encode(t));
     }
 
     // Each line's translation (empty lines stay empty): greedy in batches, or K beams
@@ -234,11 +233,11 @@
       let todo = lines.map((l, i) => i).filter((i) => lines[i].trim());
       let glossary = options.glossary ?? null;
       if (typeof glossary === "string") glossary = new Glossary(glossary);
-      const beamed = K > 1 ? todo : todo.filter((i) => this.terms(lines[i], glossary).found.length);
+      const phrases = new Map(todo.map((i) => [i, this.termPhrases(lines[i], glossary)]));
+      const beamed = K > 1 ? todo : todo.filter((i) => phrases.get(i).length);
       for (const i of beamed) {
-        const { phrases } = this.terms(lines[i], glossary);
         const width = K > 1 ? K : Math.max(2, this.info.beam_size);
-        const found = await this.beam(this.sourceIds(lines[i], lang), width, options, phrases);
+        const found = await this.beam(this.sourceIds(lines[i], lang), width, options, phrases.get(i));
         out[i] = this.tgt.decode(found);
       }
       todo = todo.filter((i) => !beamed.includes(i));
